@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The project's two commands, plus the install they share.
+
+    python3 tasks.py serve [mkdocs serve options]   build and serve the site locally
+    python3 tasks.py test  [pytest options]         run the whole test suite
+
+Both create (or reuse) the virtual environment `.venv/` and install exactly the
+versions in `constraints.txt`. Standard library only: this file runs before
+anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PYTHON = VENV / "bin" / "python"
+CONSTRAINTS = ROOT / "constraints.txt"
+STAMP = VENV / ".installed-from"
+
+
+def die(message: str) -> None:
+    print(f"tasks.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def install_fingerprint() -> str:
+    digest = hashlib.sha256()
+    for path in (ROOT / "pyproject.toml", CONSTRAINTS, Path(__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def pip_install(*args: str) -> None:
+    # Every step goes through the same constraints file: torch can never be
+    # resolved on its own (an unpinned torch is a multi-GB CUDA download).
+    command = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check",
+               "-c", str(CONSTRAINTS), *args]
+    print("+", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+def ensure_environment() -> None:
+    if sys.version_info[:2] != (3, 11):
+        die(f"needs Python 3.11 (the pinned torch 2.13.0 wheel is cp311); this is {sys.version.split()[0]}")
+    if not PYTHON.exists():
+        print(f"creating virtual environment {VENV}", flush=True)
+        venv.create(VENV, with_pip=True)
+    fingerprint = install_fingerprint()
+    if STAMP.exists() and STAMP.read_text() == fingerprint:
+        return
+    # 1. torch first, and the build tools DeepSpeed's setup.py needs.
+    pip_install("torch", "setuptools")
+    # 2. deepspeed is a source archive whose setup.py imports torch: build it
+    #    against the torch installed in step 1, not in an isolated environment
+    #    (which would resolve a torch of its own).
+    pip_install("--no-build-isolation", "deepspeed")
+    # 3. Everything else declared in pyproject.toml.
+    pip_install("--no-build-isolation", "-e", ".[test]")
+    STAMP.write_text(fingerprint)
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("NO_MKDOCS_2_WARNING", "1")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def run_in_venv(*args: str) -> int:
+    return subprocess.run([str(PYTHON), *args], cwd=ROOT, env=environment()).returncode
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"serve", "test", "install"}:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    ensure_environment()
+    if command == "install":
+        return 0
+    if command == "serve":
+        address = "127.0.0.1:8000"
+        for i, arg in enumerate(rest):
+            if arg.startswith("--dev-addr=") or arg.startswith("-a="):
+                address = arg.split("=", 1)[1]
+            elif arg in {"--dev-addr", "-a"} and i + 1 < len(rest):
+                address = rest[i + 1]
+        print(f"Serving the site on http://{address}/  (Ctrl-C stops)", flush=True)
+        return run_in_venv("-m", "mkdocs", "serve", *rest)
+    return run_in_venv("-m", "pytest", *rest)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except subprocess.CalledProcessError as error:
+        die(f"install step failed with exit code {error.returncode}: {' '.join(map(str, error.cmd))}")
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,36 @@
+"""Where the examples are: snippet files, their output files, their documented commands."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from runner import ROOT, SNIPPETS
+
+DOCS = ROOT / "docs"
+
+# The command a snippet documents in its docstring, e.g.
+#   DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py
+TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/\S+\.py)")
+
+
+def all_snippets() -> list[Path]:
+    """Every example file under snippets/, as paths relative to the repository root."""
+    return sorted(path.relative_to(ROOT) for path in SNIPPETS.rglob("*.py"))
+
+
+def output_file(snippet: Path) -> Path:
+    """The file that holds what `snippet` prints; pages include it, tests compare it."""
+    return ROOT / Path(snippet).with_suffix(".out")
+
+
+def documented_world_size(snippet: Path) -> int:
+    """The number of ranks in the torchrun command the snippet's docstring gives."""
+    text = (ROOT / snippet).read_text()
+    commands = [(int(n), path) for n, path in TORCHRUN.findall(text) if path == str(snippet)]
+    if not commands:
+        raise ValueError(
+            f"{snippet} does not document how to run it: its docstring needs a line like "
+            f"'DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 {snippet}'"
+        )
+    return commands[0][0]

@@ -1,0 +1,69 @@
+"""Pages, snippets, output files and tests stay in step.
+
+Every file under snippets/ is included by a page; every `--8<--` reference in docs/ points at a
+file and section that exist; every snippet documents its torchrun command (the command
+tests/test_snippets.py runs it with) and has an output file.
+"""
+
+import re
+
+import pytest
+
+from examples import DOCS, TORCHRUN, all_snippets, documented_world_size, output_file
+from runner import ROOT, SNIPPETS
+
+INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')
+
+
+def includes():
+    """(page, file, section or None) for every snippet include in docs/."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for target in INCLUDE.findall(page.read_text()):
+            path, _, section = target.partition(":")
+            found.append((page.relative_to(ROOT), path, section or None))
+    return found
+
+
+def test_pages_include_snippets():
+    assert includes(), "no page includes any snippet"
+
+
+@pytest.mark.parametrize("page, path, section", includes(), ids=lambda v: str(v))
+def test_every_include_points_at_a_real_file_and_section(page, path, section):
+    target = ROOT / path
+    assert target.is_file(), f"{page} includes {path}, which does not exist"
+    assert target.resolve().is_relative_to(SNIPPETS), f"{page} includes {path}, outside snippets/"
+    if section is not None:
+        text = target.read_text()
+        for marker in (f"[start:{section}]", f"[end:{section}]"):
+            assert marker in text, f"{page} includes section {section!r} of {path}, which has no {marker}"
+
+
+def snippet_files():
+    return sorted(p.relative_to(ROOT) for p in SNIPPETS.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("snippet_file", snippet_files(), ids=str)
+def test_every_snippet_file_is_included_by_a_page(snippet_file):
+    included = {path for _, path, _ in includes()}
+    assert str(snippet_file) in included, f"{snippet_file} is not included by any page in docs/"
+
+
+@pytest.mark.parametrize("snippet", all_snippets(), ids=str)
+def test_every_snippet_is_run_by_the_suite_and_has_an_output_file(snippet):
+    # tests/test_snippets.py runs every snippet with the rank count of its documented
+    # command; a snippet without one could not be run there.
+    assert documented_world_size(snippet) >= 1
+    assert output_file(snippet).is_file(), f"{snippet} has no output file {output_file(snippet).relative_to(ROOT)}"
+
+
+def test_commands_on_pages_match_the_snippets():
+    commands = [(page, int(n), path) for page in DOCS.rglob("*.md") for n, path in TORCHRUN.findall(page.read_text())]
+    assert commands, "no page shows how to run an example"
+    for page, world_size, path in commands:
+        assert (ROOT / path).is_file(), f"{page.relative_to(ROOT)} shows a command for {path}, which does not exist"
+        assert world_size == documented_world_size(path), (
+            f"{page.relative_to(ROOT)} runs {path} on {world_size} ranks; the snippet documents "
+            f"{documented_world_size(path)}"
+        )

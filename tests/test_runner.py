@@ -1,0 +1,72 @@
+"""The multi-rank runner: torchrun-style environment, per-rank results, fail fast, no leftovers."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from runner import SnippetFailed, run_snippet
+
+FAULTY = Path(__file__).parent / "faulty"
+
+
+def alive(pid):
+    """True if `pid`, or any process in its process group, still exists (zombies count as gone)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgid = fields[0], int(fields[2])
+        if (int(entry.name) == pid or pgid == pid) and state != "Z":
+            return True
+    return False
+
+
+def test_ranks_get_torchrun_environment_and_report_what_they_print():
+    result = run_snippet(FAULTY / "hello.py", world_size=3).check()
+    assert result.output == "".join(f"[rank {r}] world 3 local {r} sum 6\n" for r in range(3))
+    assert [rank.exit_code for rank in result.ranks] == [0, 0, 0]
+
+
+def test_call_returns_each_ranks_value():
+    result = run_snippet(FAULTY / "hello.py", world_size=2, call="main").check()
+    assert [result.returned(r) for r in range(2)] == [{"rank": 0, "sum": 3.0}, {"rank": 1, "sum": 3.0}]
+
+
+def test_a_rank_that_raises_ends_the_run_fast_and_is_named():
+    result = run_snippet(FAULTY / "raise_on_rank1.py", world_size=2)
+    assert not result.ok
+    assert result.seconds < 60
+    failed = result.ranks[1]
+    assert failed.exception["type"] == "builtins.ValueError"
+    assert failed.exception["message"] == "rank 1 gave up"
+    assert failed.exit_code == 1
+    assert result.errors == ["ValueError: rank 1 gave up"]
+    # rank 0 was stuck in all_reduce: the runner ended it (or gloo did, when rank 1 left).
+    assert not result.ranks[0].ok
+    with pytest.raises(SnippetFailed) as failure:
+        result.check()
+    report = str(failure.value)
+    assert "tests/faulty/raise_on_rank1.py failed on 2 ranks" in report
+    assert "rank 1: ValueError: rank 1 gave up" in report
+    assert "--- rank 1 ---\nTraceback (most recent call last):" in report
+    assert 'raise ValueError("rank 1 gave up")' in report
+    assert not any(alive(rank.pid) for rank in result.ranks)
+
+
+def test_a_hung_run_is_killed_at_the_timeout():
+    result = run_snippet(FAULTY / "hang.py", world_size=2, timeout=3)
+    assert result.timed_out and not result.ok
+    assert 3 <= result.seconds < 10
+    assert result.output == "going to sleep\ngoing to sleep\n"
+    assert all(rank.killed_by_runner for rank in result.ranks)
+    assert "timed out after 3s" in result.failure_report()
+    assert not any(alive(rank.pid) for rank in result.ranks)
+
+
+def test_missing_snippet_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no snippet file at .*does_not_exist.py"):
+        run_snippet("snippets/does_not_exist.py")
