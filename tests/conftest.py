@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -13,25 +14,28 @@ def pytest_addoption(parser):
         action="store_true",
         help="rewrite the output files (snippets/**/*.out) from this run instead of comparing",
     )
+    parser.addoption(
+        "--order",
+        default="declared",
+        help="test order: declared, reverse, or random[:SEED] (proves runs in the warm pool are independent)",
+    )
 
 
-@pytest.fixture
-def expect_output(request):
-    """Compare a run's transcript with an output file, or rewrite it under --update-outputs."""
-    update = request.config.getoption("--update-outputs")
+def pytest_configure(config):
+    order = config.getoption("--order")
+    name, _, seed = order.partition(":")
+    if order not in ("declared", "reverse") and name != "random":
+        raise pytest.UsageError(f"--order takes declared, reverse or random[:SEED], not {order!r}")
+    config.order_seed = (int(seed) if seed else random.randrange(10**6)) if name == "random" else None
 
-    def check(result: RunResult, output_file: Path) -> None:
-        actual = result.transcript()
-        if update:
-            output_file.write_text(actual)
-            return
-        if not output_file.exists():
-            pytest.fail(
-                f"{output_file.relative_to(ROOT)} is missing; create it from a real run with "
-                f"`python3 tasks.py test --update-outputs`"
-            )
-        expected = output_file.read_text()
-        context = "" if result.ok else "\n" + result.failure_report()
-        assert actual == expected, f"{result.name} printed something else than {output_file.relative_to(ROOT)}{context}"
 
-    return check
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--order") == "reverse":
+        items.reverse()
+    elif config.order_seed is not None:
+        random.Random(config.order_seed).shuffle(items)
+
+
+def pytest_report_header(config):
+    seed = config.order_seed
+    return f"test order: {config.getoption('--order')}" + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")

@@ -1,18 +1,29 @@
-"""One rank process of a snippet run: started by `tests/runner.py`, never imported.
+"""One rank process of a snippet run: started by `tests/runner.py`, never imported by tests.
 
-    python tests/rank_main.py SNIPPET REPORT_FILE [FUNCTION]
+    python tests/rank_main.py SNIPPET REPORT_FILE [FUNCTION]   # run one snippet, exit
+    python tests/rank_main.py --serve REPLY_FD                 # warm pool worker
 
-Runs SNIPPET as `__main__` (exactly as `python SNIPPET` would), or, with
-FUNCTION, loads it as a module and calls that function with no arguments.
+One-shot: runs SNIPPET as `__main__` (exactly as `python SNIPPET` would), or,
+with FUNCTION, loads it as a module and calls that function with no arguments.
 Writes a pickled report (exception details, the function's return value) to
 REPORT_FILE and exits 0 on success, 1 when the snippet raised.
+
+Warm pool worker: imports torch and DeepSpeed once, then reads one JSON job per
+line on stdin ({"snippet", "report", "function", "stdout", "stderr", "env"}),
+runs it like the one-shot mode with its stdout/stderr (file descriptors 1 and 2,
+so C-level output and DeepSpeed's logger too) sent to the job's files, puts
+back the state a fresh process would have, and answers `{"exit_code": N}` on
+REPLY_FD.
 """
 
+import json
 import os
 import pickle
+import random
 import runpy
 import sys
 import traceback
+import warnings
 
 
 def describe(error: BaseException) -> dict:
@@ -25,9 +36,8 @@ def describe(error: BaseException) -> dict:
     }
 
 
-def main() -> int:
-    snippet, report_file = sys.argv[1], sys.argv[2]
-    function = sys.argv[3] if len(sys.argv) > 3 else ""
+def run_one(snippet: str, report_file: str, function: str = "") -> int:
+    """Run one snippet in this process; write its report; return the exit code."""
     # Look like `python SNIPPET`: argv and the import path start at the snippet.
     sys.argv = [snippet]
     sys.path[0] = os.path.dirname(os.path.abspath(snippet))
@@ -59,6 +69,133 @@ def main() -> int:
         with open(report_file, "wb") as handle:
             handle.write(payload)
     return exit_code
+
+
+def shallow_copy(value):
+    """A copy of a plain container's contents, to put back after a job mutated it in place."""
+    return type(value)(value) if type(value) in (dict, list, set) else None
+
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def from_project(module) -> bool:
+    path = os.path.abspath(getattr(module, "__file__", None) or "/")
+    return path.startswith(PROJECT + os.sep) and os.sep + ".venv" + os.sep not in path[len(PROJECT):]
+
+
+class FreshState:
+    """What a new rank process looks like before it runs a snippet, captured once and put back after each job.
+
+    Covers what a snippet can change and the next one could see: environment
+    variables, working directory, argv and import path, modules imported from
+    the project, RNG states, torch's global switches, warning filters, and the
+    process groups (a snippet that leaves them initialized gets them destroyed).
+    """
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.path = list(sys.path)
+        self.modules = set(sys.modules)
+        self.random = random.getstate()
+        self.torch_rng = torch.get_rng_state()
+        self.default_dtype = torch.get_default_dtype()
+        self.grad_enabled = torch.is_grad_enabled()
+        self.num_threads = torch.get_num_threads()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.warnings = list(warnings.filters)
+        # DeepSpeed keeps process groups, its comm backend and ZeRO bookkeeping in
+        # module globals (deepspeed.comm.comm.cdb, deepspeed.utils.groups._WORLD_GROUP, ...).
+        # Remember them as they are right after `import deepspeed`.
+        self.deepspeed_globals = {
+            name: {key: (value, shallow_copy(value)) for key, value in vars(module).items()}
+            for name, module in list(sys.modules.items())
+            if name.split(".")[0] == "deepspeed" and module is not None
+        }
+
+    def restore_deepspeed_globals(self):
+        for name, saved in self.deepspeed_globals.items():
+            namespace = vars(sys.modules[name])
+            for key in set(namespace) - set(saved):
+                del namespace[key]
+            for key, (value, contents) in saved.items():
+                namespace[key] = value
+                if contents is not None and value != contents:
+                    value.clear()
+                    value.update(contents) if isinstance(value, (dict, set)) else value.extend(contents)
+
+    def restore(self):
+        torch = self.torch
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.restore_deepspeed_globals()
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        for name in set(sys.modules) - self.modules:
+            # Modules the snippet imported from the project (its siblings,
+            # helpers) must be imported afresh by the next snippet.
+            if from_project(sys.modules.get(name)):
+                del sys.modules[name]
+        random.setstate(self.random)
+        torch.set_rng_state(self.torch_rng)
+        torch.set_default_dtype(self.default_dtype)
+        torch.set_grad_enabled(self.grad_enabled)
+        torch.set_num_threads(self.num_threads)
+        torch.use_deterministic_algorithms(self.deterministic)
+        warnings.filters[:] = self.warnings
+
+
+def serve(reply_fd: int) -> int:
+    # Die with the test process, even if it is killed with no chance to clean up.
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Pay the imports once; every job after this starts warm.
+    import deepspeed  # noqa: F401
+    import torch  # noqa: F401
+
+    fresh = FreshState()
+    saved_stdout, saved_stderr = os.dup(1), os.dup(2)
+    with os.fdopen(reply_fd, "w") as replies:
+        replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+        replies.flush()
+        for line in sys.stdin:
+            job = json.loads(line)
+            os.environ.update(job["env"])
+            out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(err, 2)
+            os.close(out)
+            os.close(err)
+            exit_code = run_one(job["snippet"], job["report"], job.get("function") or "")
+            # Answer first: a failed rank must be seen before its peers fail
+            # because it went away. After a failure the pool is killed anyway.
+            replies.write(json.dumps({"exit_code": exit_code}) + "\n")
+            replies.flush()
+            try:
+                fresh.restore()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved_stdout, 1)
+                os.dup2(saved_stderr, 2)
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1] == "--serve":
+        return serve(int(sys.argv[2]))
+    snippet, report_file = sys.argv[1], sys.argv[2]
+    function = sys.argv[3] if len(sys.argv) > 3 else ""
+    return run_one(snippet, report_file, function)
 
 
 if __name__ == "__main__":

@@ -5,20 +5,26 @@
     result.output               # what the ranks printed, rank by rank
     result.ranks[1].exception   # {"type", "name", "message", "traceback"} or None
 
-Each rank is a fresh `python tests/rank_main.py` process with the environment
-torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT) plus DS_ACCELERATOR=cpu, so the snippet's own
-`deepspeed.init_distributed(dist_backend="gloo")` works unchanged.
+Every rank sees the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus DS_ACCELERATOR=cpu, so the
+snippet's own `deepspeed.init_distributed(dist_backend="gloo")` works unchanged.
+
+By default a run goes to a warm pool of rank processes (one per world size)
+that imported torch and DeepSpeed once; each run still gets its own process
+group, module namespace and fresh-process state (tests/rank_main.py,
+FreshState). `fresh=True` starts new processes instead, exactly like torchrun.
 
 Fail fast: once a rank has failed, the others get `grace` seconds to finish or
 fail on their own, then they are killed (they are usually blocked in a
 collective and gloo would wait 30 minutes). A whole run is bounded by
-`timeout`. Every process a run starts, and its children, is killed before
-`run_snippet` returns, whatever happened.
+`timeout`. A failed or timed-out run kills every process it used, and their
+children, before `run_snippet` returns; the next run starts a new pool.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import pickle
 import re
@@ -42,6 +48,9 @@ DEEPSPEED_NOISE = re.compile(
     r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] "
     r"|DeepSpeed \S+ built successfully$)"
 )
+
+# How gloo fails on a rank whose peer died first: a consequence, not a cause.
+PEER_WENT_AWAY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
 
 
 class SnippetFailed(AssertionError):
@@ -109,7 +118,9 @@ class RunResult:
         Ranks that fail later usually fail *because* of the first ones (gloo's
         "Connection closed by peer"), with messages that change from run to run.
         """
-        return sorted({rank.cause() for rank in self.ranks if rank.exception and rank.rank in self.failed_first})
+        causes = {rank.cause() for rank in self.ranks if rank.exception and rank.rank in self.failed_first}
+        root_causes = {cause for cause in causes if not PEER_WENT_AWAY.search(cause)}
+        return sorted(root_causes or causes)
 
     def transcript(self) -> str:
         """What an output file holds: the printed output, then the exceptions raised, if any."""
@@ -169,6 +180,227 @@ def resolve_snippet(snippet: str | os.PathLike) -> Path:
     return path
 
 
+def torchrun_environment(rank: int, world_size: int) -> dict[str, str]:
+    """The variables torchrun sets for one local rank (MASTER_PORT is per run), plus the CPU accelerator."""
+    return {
+        "DS_ACCELERATOR": "cpu",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _wait_for_ranks(poll, world_size: int, deadline: float, grace: float):
+    """Poll every rank until all are done, one failed `grace` seconds ago, or the deadline passed.
+
+    poll(rank) gives the rank's exit code, or None while it runs.
+    Returns (exit codes, ranks that failed first, timed out?).
+    """
+    failed_first: list[int] = []
+    first_failure_at = None
+    while True:
+        codes = [poll(rank) for rank in range(world_size)]
+        if all(code is not None for code in codes):
+            return codes, failed_first, False
+        now = time.monotonic()
+        if first_failure_at is None:
+            failed_first = [r for r, code in enumerate(codes) if code not in (None, 0)]
+            if failed_first:
+                first_failure_at = now
+        if first_failure_at is not None and now - first_failure_at > grace:
+            return codes, failed_first, False
+        if now > deadline:
+            return codes, failed_first, True
+        time.sleep(0.01)
+
+
+def _collect(path, work: Path, world_size, codes, pids, still_running, started, timed_out, timeout, failed_first):
+    ranks = []
+    for rank in range(world_size):
+        report = {}
+        report_file = work / f"rank{rank}.report"
+        if report_file.exists() and rank not in still_running:
+            with open(report_file, "rb") as handle:
+                report = pickle.load(handle)
+        ranks.append(
+            RankResult(
+                rank=rank,
+                pid=pids[rank],
+                exit_code=codes[rank],
+                stdout=(work / f"rank{rank}.stdout").read_text(errors="replace"),
+                stderr=(work / f"rank{rank}.stderr").read_text(errors="replace"),
+                exception=report.get("exception"),
+                returned=report.get("returned"),
+                killed_by_runner=rank in still_running,
+            )
+        )
+    return RunResult(
+        snippet=path, world_size=world_size, ranks=ranks, seconds=time.monotonic() - started,
+        timed_out=timed_out, timeout=timeout, failed_first=failed_first,
+    )
+
+
+def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, env) -> RunResult:
+    """One new process per rank, like torchrun: slow to start, nothing shared with earlier runs."""
+    port = free_port()
+    started = time.monotonic()
+    processes: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="snippet-run-") as workdir:
+        work = Path(workdir)
+        try:
+            for rank in range(world_size):
+                rank_env = {**os.environ, **torchrun_environment(rank, world_size), "MASTER_PORT": str(port), **(env or {})}
+                command = [sys.executable, str(RANK_MAIN), str(path), str(work / f"rank{rank}.report")]
+                if call:
+                    command.append(call)
+                with open(work / f"rank{rank}.stdout", "wb") as out, open(work / f"rank{rank}.stderr", "wb") as err:
+                    processes.append(subprocess.Popen(
+                        command, cwd=ROOT, env=rank_env, stdin=subprocess.DEVNULL,
+                        stdout=out, stderr=err, start_new_session=True,
+                    ))
+            codes, failed_first, timed_out = _wait_for_ranks(
+                lambda rank: processes[rank].poll(), world_size, started + timeout, grace)
+        finally:
+            still_running = {r for r, process in enumerate(processes) if process.poll() is None}
+            for process in processes:
+                _kill_group(process)
+        codes = [process.returncode for process in processes]
+        return _collect(path, work, world_size, codes, [p.pid for p in processes], still_running,
+                        started, timed_out, timeout, failed_first)
+
+
+class RankPool:
+    """`world_size` long-lived rank processes that have imported torch and DeepSpeed, reused run after run.
+
+    Each run gets a new MASTER_PORT, so the snippet's own init_distributed /
+    init_process_group builds a new process group; afterwards the worker
+    destroys what is left and restores the state of a fresh process (see
+    FreshState in rank_main.py). A run that fails or times out kills the whole
+    pool; the next run starts a new one.
+    """
+
+    def __init__(self, world_size: int, startup_timeout: float = 180.0):
+        self.world_size = world_size
+        self.workers: list[subprocess.Popen] = []
+        self.replies: list[int] = []
+        self.buffers: list[bytes] = []
+        self.log = tempfile.NamedTemporaryFile(prefix=f"rank-pool-{world_size}-", suffix=".log", delete=False)
+        try:
+            for rank in range(world_size):
+                read_fd, write_fd = os.pipe()
+                env = {**os.environ, **torchrun_environment(rank, world_size)}
+                self.workers.append(subprocess.Popen(
+                    [sys.executable, str(RANK_MAIN), "--serve", str(write_fd)],
+                    cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=self.log, pass_fds=[write_fd], start_new_session=True,
+                ))
+                os.close(write_fd)
+                os.set_blocking(read_fd, False)
+                self.replies.append(read_fd)
+                self.buffers.append(b"")
+            deadline = time.monotonic() + startup_timeout
+            for rank in range(world_size):
+                while self._reply(rank) is None:
+                    if self.workers[rank].poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"rank pool worker {rank} did not start:\n{self.log_tail()}")
+                    time.sleep(0.01)
+        except BaseException:
+            self.close()
+            raise
+
+    def log_tail(self) -> str:
+        return _tail(Path(self.log.name).read_text(errors="replace"))
+
+    def _reply(self, rank: int) -> dict | None:
+        """The worker's next reply line, if it has written one."""
+        try:
+            self.buffers[rank] += os.read(self.replies[rank], 65536)
+        except BlockingIOError:
+            pass
+        if b"\n" not in self.buffers[rank]:
+            return None
+        line, self.buffers[rank] = self.buffers[rank].split(b"\n", 1)
+        return json.loads(line)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.workers) and all(worker.poll() is None for worker in self.workers)
+
+    def run(self, path: Path, call, timeout: float, grace: float, env) -> RunResult:
+        port = free_port()
+        started = time.monotonic()
+        codes: list[int | None] = [None] * self.world_size
+        with tempfile.TemporaryDirectory(prefix="snippet-run-") as workdir:
+            work = Path(workdir)
+            still_running: set[int] = set()
+            try:
+                for rank, worker in enumerate(self.workers):
+                    job = {
+                        "snippet": str(path), "function": call or "",
+                        "report": str(work / f"rank{rank}.report"),
+                        "stdout": str(work / f"rank{rank}.stdout"), "stderr": str(work / f"rank{rank}.stderr"),
+                        "env": {"MASTER_PORT": str(port), **(env or {})},
+                    }
+                    worker.stdin.write((json.dumps(job) + "\n").encode())
+                    worker.stdin.flush()
+
+                def poll(rank):
+                    if codes[rank] is None:
+                        reply = self._reply(rank)
+                        if reply is not None:
+                            codes[rank] = reply["exit_code"]
+                        elif self.workers[rank].poll() is not None:  # the worker itself died
+                            codes[rank] = self.workers[rank].returncode
+                    return codes[rank]
+
+                _, failed_first, timed_out = _wait_for_ranks(poll, self.world_size, started + timeout, grace)
+            finally:
+                still_running = {r for r in range(self.world_size) if codes[r] is None}
+                if still_running or any(code != 0 for code in codes):
+                    self.close()
+            for rank in still_running:
+                codes[rank] = self.workers[rank].returncode
+            for rank in range(self.world_size):  # make sure the files exist even if a worker never opened them
+                for stream in ("stdout", "stderr"):
+                    (work / f"rank{rank}.{stream}").touch()
+            result = _collect(path, work, self.world_size, codes, [w.pid for w in self.workers], still_running,
+                              started, timed_out, timeout, failed_first)
+        return result
+
+    def close(self) -> None:
+        for worker in self.workers:
+            _kill_group(worker)
+            if worker.stdin:
+                worker.stdin.close()
+        for fd in self.replies:
+            os.close(fd)
+        self.replies = []
+        self.log.close()
+
+
+_pools: dict[int, RankPool] = {}
+
+
+def close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+atexit.register(close_pools)
+
+
+def warm_pool(world_size: int) -> RankPool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.close()
+        pool = _pools[world_size] = RankPool(world_size)
+    return pool
+
+
 def run_snippet(
     snippet: str | os.PathLike,
     world_size: int = 2,
@@ -177,97 +409,18 @@ def run_snippet(
     timeout: float = 120.0,
     grace: float = 3.0,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> RunResult:
     """Run `snippet` on `world_size` local ranks; see the module docstring.
 
     call: the name of a function in the snippet to call instead of running it as
     `__main__`; its return value (picklable) comes back in `RankResult.returned`.
+    fresh: start new processes for this run instead of using the warm pool.
+    env: extra environment variables for the ranks.
     """
     path = resolve_snippet(snippet)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    port = free_port()
-    started = time.monotonic()
-    processes: list[subprocess.Popen] = []
-    failed_first: list[int] = []
-    timed_out = False
-    with tempfile.TemporaryDirectory(prefix="snippet-run-") as workdir:
-        work = Path(workdir)
-        files = []
-        try:
-            for rank in range(world_size):
-                rank_env = dict(os.environ)
-                rank_env.update(
-                    DS_ACCELERATOR="cpu",
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(world_size),
-                    LOCAL_WORLD_SIZE=str(world_size),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    PYTHONUNBUFFERED="1",
-                )
-                rank_env.update(env or {})
-                stdout = open(work / f"rank{rank}.stdout", "wb")
-                stderr = open(work / f"rank{rank}.stderr", "wb")
-                files += [stdout, stderr]
-                command = [sys.executable, str(RANK_MAIN), str(path), str(work / f"rank{rank}.report")]
-                if call:
-                    command.append(call)
-                processes.append(
-                    subprocess.Popen(
-                        command, cwd=ROOT, env=rank_env, stdin=subprocess.DEVNULL,
-                        stdout=stdout, stderr=stderr, start_new_session=True,
-                    )
-                )
-            deadline = started + timeout
-            first_failure_at = None
-            while True:
-                codes = [process.poll() for process in processes]
-                if all(code is not None for code in codes):
-                    break
-                now = time.monotonic()
-                newly_failed = [r for r, code in enumerate(codes) if code not in (None, 0) and r not in failed_first]
-                if newly_failed and first_failure_at is None:
-                    first_failure_at = now
-                    failed_first = newly_failed
-                if first_failure_at is not None and now - first_failure_at > grace:
-                    break
-                if now > deadline:
-                    timed_out = True
-                    break
-                time.sleep(0.02)
-        finally:
-            still_running = {r for r, process in enumerate(processes) if process.poll() is None}
-            for process in processes:
-                _kill_group(process)
-            for handle in files:
-                handle.close()
-        ranks = []
-        for rank, process in enumerate(processes):
-            report = {}
-            report_file = work / f"rank{rank}.report"
-            if report_file.exists():
-                with open(report_file, "rb") as handle:
-                    report = pickle.load(handle)
-            ranks.append(
-                RankResult(
-                    rank=rank,
-                    pid=process.pid,
-                    exit_code=process.returncode,
-                    stdout=(work / f"rank{rank}.stdout").read_text(errors="replace"),
-                    stderr=(work / f"rank{rank}.stderr").read_text(errors="replace"),
-                    exception=report.get("exception"),
-                    returned=report.get("returned"),
-                    killed_by_runner=rank in still_running,
-                )
-            )
-    return RunResult(
-        snippet=path,
-        world_size=world_size,
-        ranks=ranks,
-        seconds=time.monotonic() - started,
-        timed_out=timed_out,
-        timeout=timeout,
-        failed_first=failed_first,
-    )
+    if fresh:
+        return run_fresh(path, world_size, call, timeout, grace, env)
+    return warm_pool(world_size).run(path, call, timeout, grace, env)

@@ -7,7 +7,7 @@ import pytest
 
 from runner import SnippetFailed, run_snippet
 
-FAULTY = Path(__file__).parent / "faulty"
+CASES = Path(__file__).parent / "runner_cases"
 
 
 def alive(pid):
@@ -26,18 +26,18 @@ def alive(pid):
 
 
 def test_ranks_get_torchrun_environment_and_report_what_they_print():
-    result = run_snippet(FAULTY / "hello.py", world_size=3).check()
+    result = run_snippet(CASES / "hello.py", world_size=3).check()
     assert result.output == "".join(f"[rank {r}] world 3 local {r} sum 6\n" for r in range(3))
     assert [rank.exit_code for rank in result.ranks] == [0, 0, 0]
 
 
 def test_call_returns_each_ranks_value():
-    result = run_snippet(FAULTY / "hello.py", world_size=2, call="main").check()
+    result = run_snippet(CASES / "hello.py", world_size=2, call="main").check()
     assert [result.returned(r) for r in range(2)] == [{"rank": 0, "sum": 3.0}, {"rank": 1, "sum": 3.0}]
 
 
 def test_a_rank_that_raises_ends_the_run_fast_and_is_named():
-    result = run_snippet(FAULTY / "raise_on_rank1.py", world_size=2)
+    result = run_snippet(CASES / "raise_on_rank1.py", world_size=2)
     assert not result.ok
     assert result.seconds < 60
     failed = result.ranks[1]
@@ -50,7 +50,7 @@ def test_a_rank_that_raises_ends_the_run_fast_and_is_named():
     with pytest.raises(SnippetFailed) as failure:
         result.check()
     report = str(failure.value)
-    assert "tests/faulty/raise_on_rank1.py failed on 2 ranks" in report
+    assert "tests/runner_cases/raise_on_rank1.py failed on 2 ranks" in report
     assert "rank 1: ValueError: rank 1 gave up" in report
     assert "--- rank 1 ---\nTraceback (most recent call last):" in report
     assert 'raise ValueError("rank 1 gave up")' in report
@@ -58,7 +58,7 @@ def test_a_rank_that_raises_ends_the_run_fast_and_is_named():
 
 
 def test_a_hung_run_is_killed_at_the_timeout():
-    result = run_snippet(FAULTY / "hang.py", world_size=2, timeout=3)
+    result = run_snippet(CASES / "hang.py", world_size=2, timeout=3)
     assert result.timed_out and not result.ok
     assert 3 <= result.seconds < 10
     assert result.output == "going to sleep\ngoing to sleep\n"
@@ -70,3 +70,24 @@ def test_a_hung_run_is_killed_at_the_timeout():
 def test_missing_snippet_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no snippet file at .*does_not_exist.py"):
         run_snippet("snippets/does_not_exist.py")
+
+
+def test_the_pool_reuses_warm_ranks_and_fresh_runs_do_not():
+    first = run_snippet(CASES / "hello.py", world_size=2).check()
+    second = run_snippet(CASES / "hello.py", world_size=2).check()
+    assert [r.pid for r in first.ranks] == [r.pid for r in second.ranks]
+    cold = run_snippet(CASES / "hello.py", world_size=2, fresh=True).check()
+    assert cold.output == second.output
+    assert not {r.pid for r in cold.ranks} & {r.pid for r in second.ranks}
+    assert not any(alive(rank.pid) for rank in cold.ranks)
+
+
+def test_a_snippet_that_leaves_state_behind_does_not_change_the_next_one():
+    in_fresh_processes = run_snippet(CASES / "probe_state.py", world_size=2, fresh=True).check()
+    assert "partitioned weight shape: (0,) full: (4, 4)" in in_fresh_processes.output
+    assert "sibling counter: 0" in in_fresh_processes.output
+    polluter = run_snippet(CASES / "leave_state_behind.py", world_size=2).check()
+    assert polluter.output == "left state behind\n" * 2
+    after_polluter = run_snippet(CASES / "probe_state.py", world_size=2).check()
+    assert [r.pid for r in after_polluter.ranks] == [r.pid for r in polluter.ranks]  # same warm workers
+    assert after_polluter.output == in_fresh_processes.output

@@ -1,0 +1,30 @@
+"""Prints the process state a snippet starts with; a fresh process and a pool worker must agree."""
+import os
+import random
+import sys
+import warnings
+
+import deepspeed
+import torch
+
+import sibling_state
+
+print("distributed initialized:", torch.distributed.is_initialized())
+print("deepspeed comm backend:", deepspeed.comm.comm.cdb)
+print("LEFT_BEHIND:", os.environ.get("LEFT_BEHIND"))
+print("cwd is the project:", os.path.isfile("mkdocs.yml"))
+print("sys.path[0] is my folder:", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+print("/nonexistent on sys.path:", "/nonexistent" in sys.path)
+print("sibling counter:", sibling_state.counter)
+print("default dtype:", torch.get_default_dtype())
+print("grad enabled:", torch.is_grad_enabled())
+# A fresh process seeds torch and random from the OS: a seed left by another snippet must not show.
+print("torch seeded with 1234:", torch.initial_seed() == 1234)
+print("random seeded with 1234:", random.getstate() == random.Random(1234).getstate())
+print("warning filters:", len(warnings.filters))
+deepspeed.init_distributed(dist_backend="gloo")
+with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}):
+    layer = torch.nn.Linear(4, 4)
+print("partitioned weight shape:", tuple(layer.weight.shape), "full:", tuple(layer.weight.ds_shape))
+print("world size:", torch.distributed.get_world_size())
+torch.distributed.destroy_process_group()
