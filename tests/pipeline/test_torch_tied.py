@@ -1,0 +1,90 @@
+"""torch.distributed.pipelining splits a tied model into per-stage copies and leaves the tie to
+the user; with a broadcast and an all_reduce(SUM) over the holding stages it equals one process."""
+
+import importlib
+import runpy
+
+import pytest
+import torch
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+SNIPPET = "snippets/pipeline/torch_tied.py"
+
+
+def load():
+    return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+
+
+def train_in_one_process():
+    """The snippet's model, data, micro-batching (GPipe: mean over micro-batches) and SGD."""
+    ex = load()
+    torch.manual_seed(ex["SEED"])
+    model = ex["TiedLanguageModel"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
+    tokens, targets = ex["batch"]()
+    losses, first_grad = [], None
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for x, y in zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"])):
+            loss = ex["cross_entropy"](model(x), y)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        if first_grad is None:
+            first_grad = model.embed.weight.grad.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    return losses, first_grad, model.embed.weight.detach().clone()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_in_one_process()
+
+
+def test_pipelining_with_a_manual_tie_matches_one_process(reference, expect_output):
+    result = run_snippet(SNIPPET, 2, call="main").check()
+    ref_losses, ref_first_grad, ref_weight = reference
+    for rank in range(2):
+        got = result.returned(rank)
+        # pipelining found the shared weight and names one copy per stage.
+        assert got["uses"] == {"submod_pp_0": "embed.weight", "submod_pp_1": "head.weight"}
+        assert got["holders"] == [0, 1]
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        # Each stage's gradient is only a share: neither is the tied gradient, their sum is.
+        share0, share1 = got["first_shares"]
+        torch.testing.assert_close(share0 + share1, ref_first_grad, rtol=1e-5, atol=1e-6)
+        for share in (share0, share1):
+            assert not torch.allclose(share, ref_first_grad, atol=1e-3)
+        # With the all_reduce both copies stay equal and equal the one-process weight.
+        assert torch.equal(got["copies"][0], got["copies"][1])
+        torch.testing.assert_close(got["weight"], ref_weight, rtol=1e-5, atol=1e-6)
+    # Stage 0 also keeps a head.weight its forward never uses (it gets no gradient).
+    assert result.returned(0)["parameter_names"] == ["embed.weight", "mixer1.weight", "mixer1.bias", "head.weight"]
+    assert result.returned(0)["unused_grads"] == ["head.weight"]
+    assert result.returned(1)["unused_grads"] == []
+    # pipelining's note about the shared weight (logged at INFO on stderr, by every rank).
+    for rank in result.ranks:
+        assert "Parameter head.weight used in multiple stages" in rank.stderr
+    expect_output(result, output_file(SNIPPET))
+
+
+def test_pipelining_deep_copies_the_tied_weight_per_stage():
+    ex = load()
+    torch.manual_seed(ex["SEED"])
+    model = ex["TiedLanguageModel"]()
+    tokens, _ = ex["batch"]()
+    pipe, uses, holders = ex["split"](model, tokens)
+    copy0 = pipe.get_stage_module(0).get_parameter("embed.weight")
+    copy1 = pipe.get_stage_module(1).get_parameter("head.weight")
+    assert holders == [0, 1]
+    assert copy0 is not copy1 and copy0.data_ptr() != copy1.data_ptr()
+    assert model.embed.weight is not copy0 and model.embed.weight is not copy1
+    assert torch.equal(copy0, copy1) and torch.equal(copy0, model.embed.weight)
+
+
+def test_old_pipe_module_is_gone():
+    with pytest.raises(ModuleNotFoundError, match="torch.distributed.pipeline"):
+        importlib.import_module("torch.distributed.pipeline.sync")

@@ -1,0 +1,20 @@
+"""DeepSpeed refuses ZeRO-3 together with pipeline parallelism."""
+
+from examples import output_file
+from runner import run_snippet
+
+SNIPPET = "snippets/pipeline/zero3_pipeline.py"
+
+
+def test_pipeline_engine_rejects_zero3(expect_output):
+    result = run_snippet(SNIPPET, 2)
+    assert not result.ok
+    message = "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+    assert result.errors == [f"AssertionError: {message}"]
+    # Every rank that got as far as raising raised the same, from DeepSpeed's PipelineEngine.
+    raised = [rank.exception for rank in result.ranks if rank.exception]
+    assert raised
+    for exception in raised:
+        assert (exception["name"], exception["message"]) == ("AssertionError", message)
+        assert "deepspeed/runtime/pipe/engine.py" in exception["traceback"]
+    expect_output(result, output_file(SNIPPET))
