@@ -18,8 +18,8 @@ DS_CONFIG = {
     "train_micro_batch_size_per_gpu": BATCH,
     "zero_optimization": {
         "stage": 3,
-        # Partition every weight, however small (the default keeps weights under
-        # 100000 elements whole once they have been gathered).
+        # Partition even these tiny weights, as large ones are (the option is
+        # described in DeepSpeed's configuration docs).
         "stage3_param_persistence_threshold": 0,
     },
     "zero_allow_untested_optimizer": True,

@@ -46,7 +46,9 @@ def main():
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
-        "zero_optimization": {"stage": 3},
+        # Partition even these tiny weights, as large ones are (the option is
+        # described in DeepSpeed's configuration docs).
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # no clipping: the run must equal plain PyTorch
     }
