@@ -1,0 +1,54 @@
+"""FSDP2 keeps a tie only inside one FSDP group; separate groups raise at the first forward."""
+
+import runpy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+SNIPPET = "snippets/pipeline/fsdp_tied.py"
+MESSAGE = ("Parameter 'head.weight' is shared with a parameter already managed by another FSDP group. "
+           "For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP group.")
+
+
+def train_in_one_process():
+    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    torch.manual_seed(ex["SEED"])
+    model = ex["TiedLanguageModel"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
+    tokens, targets = ex["batch"]()
+    losses = []
+    for _ in range(ex["STEPS"]):
+        loss = F.cross_entropy(model(tokens).reshape(-1, ex["VOCAB"]), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.embed.weight.detach().clone()
+
+
+def test_tie_in_one_fsdp_group_matches_one_process():
+    result = run_snippet(SNIPPET, 2, call="tie_in_one_group").check()
+    ref_losses, ref_weight = train_in_one_process()
+    for rank in range(2):
+        losses, weight = result.returned(rank)
+        assert losses == pytest.approx(ref_losses, abs=1e-6)
+        torch.testing.assert_close(weight, ref_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_tie_split_over_two_fsdp_groups_raises(expect_output):
+    result = run_snippet(SNIPPET, 2)
+    assert not result.ok
+    raised = [rank.exception for rank in result.ranks if rank.exception]
+    assert raised
+    for exception in raised:
+        assert (exception["name"], exception["message"]) == ("ValueError", MESSAGE)
+        # Raised by the first forward of the second model, not by fully_shard().
+        assert "logits = model(tokens[mine])" in exception["traceback"]
+        assert "_validate_no_duplicate_params" in exception["traceback"]
+    # The first model (tie in one group) trained before that.
+    assert result.output.count("step ") == 3
+    expect_output(result, output_file(SNIPPET))
