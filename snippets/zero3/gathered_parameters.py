@@ -1,0 +1,108 @@
+"""Reading and changing a ZeRO-3 parameter outside forward with deepspeed.zero.GatheredParameters.
+
+Run on CPU (2 processes):
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/gathered_parameters.py
+On GPUs, drop DS_ACCELERATOR=cpu.
+"""
+import deepspeed
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, SEQ, BATCH, SEED, LR = 16, 8, 5, 2, 0, 0.1
+
+
+# --8<-- [start:model]
+class LanguageModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embeddings = nn.Embedding(VOCAB, DIM)
+        self.mixer = nn.Linear(DIM, DIM)
+        # Custom init. Under zero.Init, self.embeddings.weight is already partitioned here
+        # (an empty tensor): gather it, change it, and keep rank 0's result on every rank.
+        with deepspeed.zero.GatheredParameters(self.embeddings.weight, modifier_rank=0):
+            with torch.no_grad():
+                self.embeddings.weight.mul_(0.5)
+        deepspeed.zero.register_external_parameter(self, self.embeddings.weight)
+
+    def forward(self, tokens):
+        hidden = torch.tanh(self.mixer(self.embeddings(tokens)))
+        return hidden @ self.embeddings.weight.t()
+# --8<-- [end:model]
+
+
+def make_batch():
+    """The same batch on every rank, so the gradient equals the one-process gradient."""
+    generator = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def main():
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    ds_config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+    torch.manual_seed(SEED)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = LanguageModel()
+    seen = {}
+
+    # --8<-- [start:outside]
+    weight = model.embeddings.weight
+    print(f"[rank {rank}] outside forward: shape {tuple(weight.shape)}, ds_shape {tuple(weight.ds_shape)}")
+    # --8<-- [end:outside]
+    seen["outside"] = (tuple(weight.shape), tuple(weight.ds_shape))
+
+    # --8<-- [start:read]
+    with deepspeed.zero.GatheredParameters(weight):  # modifier_rank=None: read only
+        full = weight.detach().clone()
+        print(f"[rank {rank}] inside GatheredParameters: shape {tuple(weight.shape)}, sum {full.sum():.4f}")
+    print(f"[rank {rank}] after it: shape {tuple(weight.shape)}")
+    # --8<-- [end:read]
+    seen["full"], seen["after"] = full, tuple(weight.shape)
+
+    # --8<-- [start:lost]
+    with deepspeed.zero.GatheredParameters(weight):  # modifier_rank=None, but we change it
+        with torch.no_grad():
+            weight.zero_()
+        inside = weight.sum().item()
+    with deepspeed.zero.GatheredParameters(weight):
+        after = weight.sum().item()
+    print(f"[rank {rank}] zeroed with modifier_rank=None: sum {inside:.4f} inside, {after:.4f} after")
+    # --8<-- [end:lost]
+    seen["lost"] = (inside, after)
+
+    # One training step: the run must equal plain PyTorch with the scaled weight.
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    tokens, targets = make_batch()
+    loss = F.cross_entropy(engine(tokens).reshape(-1, VOCAB), targets.reshape(-1))
+    engine.backward(loss)
+    grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    if rank == 0:
+        print(f"training step: loss {loss.item():.4f}")
+
+    # --8<-- [start:guard]
+    checked = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "enable_sanity_checks": True}}
+    with deepspeed.zero.Init(config_dict_or_path=checked):
+        layer = nn.Linear(DIM, DIM)
+    try:
+        with deepspeed.zero.GatheredParameters(layer.weight):  # modifier_rank=None again
+            with torch.no_grad():
+                layer.weight.zero_()
+    except RuntimeError as error:
+        seen["guard"] = str(error)
+        if rank == 0:
+            print(f"with enable_sanity_checks: RuntimeError: {error}")
+    # --8<-- [end:guard]
+    torch.distributed.destroy_process_group()
+    return {"loss": loss.item(), "grads": grads, **seen}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Accessing parameters outside forward: GatheredParameters, and the seed-002 soft-input loss
+(fails outside forward; equals plain PyTorch when moved into a wrapper's forward)."""
+
+import re
+import runpy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+GATHERED = "snippets/zero3/gathered_parameters.py"
+OUTSIDE = "snippets/zero3/soft_inputs_outside.py"
+WRAPPER = "snippets/zero3/soft_inputs_wrapper.py"
+PAGE = ROOT / "docs/zero3/outside-forward.md"
+GUARD = (
+    "Detected in-place modification of ZeRO-3 parameters inside GatheredParameters with "
+    "modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks."
+)
+
+
+def assert_grads_equal(got, want, label):
+    assert got.keys() == want.keys(), label
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{label} {name}")
+
+
+@pytest.fixture(scope="module")
+def gathered_reference():
+    example = runpy.run_path(str(ROOT / GATHERED), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    model = example["LanguageModel"]()  # GatheredParameters is a no-op without ZeRO-3
+    weight = model.embeddings.weight.detach().clone()
+    tokens, targets = example["make_batch"]()
+    loss = F.cross_entropy(model(tokens).reshape(-1, example["VOCAB"]), targets.reshape(-1))
+    loss.backward()
+    return weight, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gathered_parameters(world_size, gathered_reference, expect_output):
+    weight, want_loss, want_grads = gathered_reference
+    result = run_snippet(GATHERED, world_size, call="main").check()
+    for rank in range(world_size):
+        got = result.returned(rank)
+        assert got["outside"] == ((0,), (16, 8))  # empty outside forward; real shape in ds_shape
+        # modifier_rank=0 in __init__: every rank holds the changed (halved) weight...
+        torch.testing.assert_close(got["full"], weight, rtol=0, atol=0)
+        assert got["after"] == (0,)  # ...and it is partitioned again after the with block
+        # modifier_rank=None: the change is visible inside, then silently discarded.
+        inside, after = got["lost"]
+        assert inside == 0.0
+        assert after == pytest.approx(weight.sum().item(), abs=1e-5)
+        assert got["loss"] == pytest.approx(want_loss, abs=1e-6)
+        assert_grads_equal(got["grads"], want_grads, f"rank {rank}")
+        assert got["guard"] == GUARD
+    if world_size == 2:
+        expect_output(result, output_file(GATHERED))
+
+
+def test_soft_inputs_outside_forward_fails(expect_output):
+    result = run_snippet(OUTSIDE, 2)
+    assert not result.ok
+    for rank in result.ranks:
+        assert rank.exception is not None, rank.rank
+        assert rank.exception["name"] == "RuntimeError"
+        assert rank.exception["message"] == "mat2 must be a matrix"
+        assert "compute_loss" in rank.exception["traceback"]
+    expect_output(result, output_file(OUTSIDE))
+
+
+def train_wrapper_without_deepspeed():
+    example = runpy.run_path(str(ROOT / WRAPPER), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    wrapped = example["SoftInputs"](example["Seq2Seq"]())
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=example["LR"])
+    losses, grads = [], []
+    for step in range(example["STEPS"]):
+        sampled_input, targets = example["make_batch"](step)
+        loss = F.cross_entropy(wrapped(sampled_input).reshape(-1, example["VOCAB"]), targets.reshape(-1))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in wrapped.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_soft_inputs_in_a_wrapper_forward_match_plain_pytorch(world_size, expect_output):
+    want_losses, want_grads = train_wrapper_without_deepspeed()
+    result = run_snippet(WRAPPER, world_size, call="main").check()
+    for rank in range(world_size):
+        got = result.returned(rank)
+        assert got["losses"] == pytest.approx(want_losses, abs=1e-6)
+        assert len(got["grads"]) == len(want_grads)
+        for step, (grads, want) in enumerate(zip(got["grads"], want_grads)):
+            assert_grads_equal(grads, want, f"rank {rank} step {step}")
+    if world_size == 2:
+        expect_output(result, output_file(WRAPPER))
+
+
+def test_page_shows_the_messages():
+    page = PAGE.read_text()
+    for message in ["mat2 must be a matrix", GUARD]:
+        assert message in page, message
+    # Output excerpts typed on the page (```text blocks that are not includes) are lines of
+    # the output files the runs wrote.
+    printed = output_file(GATHERED).read_text().splitlines()
+    blocks = re.findall(r"```text\n(.*?)```", page, flags=re.S)
+    excerpts = [line for block in blocks if "--8<--" not in block for line in block.splitlines()]
+    assert excerpts
+    for line in excerpts:
+        assert any(line in printed_line for printed_line in printed), line
