@@ -1,0 +1,43 @@
+"""Every message on the troubleshooting page was printed by a real run: it is in the output file
+of the example the page names (those files are compared with fresh runs by the snippet tests)."""
+
+import re
+
+import pytest
+
+from runner import ROOT
+
+PAGE = ROOT / "docs/zero3/troubleshooting.md"
+# message heading on the page -> the output file that shows it
+SOURCES = {
+    "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
+    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out"],
+    "RuntimeError: mat2 must be a matrix": ["automatic_detection.out", "soft_inputs_outside.out"],
+    "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": ["automatic_detection.out"],
+    "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
+    "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
+    "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
+}
+
+
+def headings():
+    return re.findall(r"^### `(.+)`$", PAGE.read_text(), flags=re.M)
+
+
+def test_page_lists_exactly_these_messages():
+    assert headings() == list(SOURCES)
+
+
+@pytest.mark.parametrize("message", list(SOURCES))
+def test_message_was_printed_by_a_run(message):
+    for name in SOURCES[message]:
+        assert message in (ROOT / "snippets/zero3" / name).read_text(), (message, name)
+
+
+def test_silent_cases_are_shown():
+    page = PAGE.read_text()
+    gathered = (ROOT / "snippets/zero3/gathered_parameters.out").read_text()
+    # the line that shows the change vanishing after the block
+    assert "zeroed with modifier_rank=None: sum 0.0000 inside, 3.3562 after" in gathered
+    assert "gathered_parameters.out" in page
+    assert "changed in a constructor" in page
