@@ -112,7 +112,7 @@ class FreshState:
         # module globals (deepspeed.comm.comm.cdb, deepspeed.utils.groups._WORLD_GROUP, ...).
         # Remember them as they are right after `import deepspeed`.
         self.deepspeed_globals = {
-            name: {key: (value, shallow_copy(value)) for key, value in vars(module).items()}
+            name: {key: (value, shallow_copy(value)) for key, value in vars(module).items() if not key.startswith("__")}
             for name, module in list(sys.modules.items())
             if name.split(".")[0] == "deepspeed" and module is not None
         }
@@ -120,13 +120,18 @@ class FreshState:
     def restore_deepspeed_globals(self):
         for name, saved in self.deepspeed_globals.items():
             namespace = vars(sys.modules[name])
-            for key in set(namespace) - set(saved):
+            for key in [key for key in namespace if key not in saved and not key.startswith("__")]:
                 del namespace[key]
             for key, (value, contents) in saved.items():
                 namespace[key] = value
-                if contents is not None and value != contents:
-                    value.clear()
-                    value.update(contents) if isinstance(value, (dict, set)) else value.extend(contents)
+                if contents is None:
+                    continue
+                # Put the contents back without comparing: __eq__ of what they hold can be costly.
+                value.clear()
+                if type(value) is list:
+                    value.extend(contents)
+                else:
+                    value.update(contents)
 
     def restore(self):
         torch = self.torch
@@ -147,7 +152,8 @@ class FreshState:
         torch.set_default_dtype(self.default_dtype)
         torch.set_grad_enabled(self.grad_enabled)
         torch.set_num_threads(self.num_threads)
-        torch.use_deterministic_algorithms(self.deterministic)
+        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic)  # costly: imports torch._inductor
         warnings.filters[:] = self.warnings
 
 

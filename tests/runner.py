@@ -113,12 +113,17 @@ class RunResult:
 
     @property
     def errors(self) -> list[str]:
-        """Distinct `Type: message` lines of the exceptions raised by the ranks that failed first.
+        """Why the ranks that failed first failed, sorted and without repeats.
 
-        Ranks that fail later usually fail *because* of the first ones (gloo's
-        "Connection closed by peer"), with messages that change from run to run.
+        `Type: message` for an exception, `rank N exited with code C` or
+        `rank N killed by signal S` otherwise. Ranks that fail *because* a peer
+        went away (gloo's "Connection closed by peer", with a port number that
+        changes from run to run) are left out when there is another cause.
         """
-        causes = {rank.cause() for rank in self.ranks if rank.exception and rank.rank in self.failed_first}
+        causes = set()
+        for rank in self.ranks:
+            if rank.rank in self.failed_first:
+                causes.add(rank.cause() if rank.exception else f"rank {rank.rank} {rank.cause()}")
         root_causes = {cause for cause in causes if not PEER_WENT_AWAY.search(cause)}
         return sorted(root_causes or causes)
 
@@ -203,13 +208,13 @@ def _wait_for_ranks(poll, world_size: int, deadline: float, grace: float):
     first_failure_at = None
     while True:
         codes = [poll(rank) for rank in range(world_size)]
-        if all(code is not None for code in codes):
-            return codes, failed_first, False
         now = time.monotonic()
         if first_failure_at is None:
             failed_first = [r for r, code in enumerate(codes) if code not in (None, 0)]
             if failed_first:
                 first_failure_at = now
+        if all(code is not None for code in codes):
+            return codes, failed_first, False
         if first_failure_at is not None and now - first_failure_at > grace:
             return codes, failed_first, False
         if now > deadline:
