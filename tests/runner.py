@@ -91,6 +91,12 @@ class RunResult:
     timed_out: bool = False
     timeout: float = 0.0
     failed_first: list[int] = field(default_factory=list)  # ranks that failed before the runner stepped in
+    port: int = 0  # MASTER_PORT of the run
+    retried_because: str | None = None  # the failure report of a first attempt whose port was taken
+
+    @property
+    def port_was_taken(self) -> bool:
+        return any(rank.exception and "EADDRINUSE" in rank.exception["message"] for rank in self.ranks)
 
     @property
     def ok(self) -> bool:
@@ -120,12 +126,17 @@ class RunResult:
         went away (gloo's "Connection closed by peer", with a port number that
         changes from run to run) are left out when there is another cause.
         """
-        causes = set()
-        for rank in self.ranks:
-            if rank.rank in self.failed_first:
-                causes.add(rank.cause() if rank.exception else f"rank {rank.rank} {rank.cause()}")
-        root_causes = {cause for cause in causes if not PEER_WENT_AWAY.search(cause)}
-        return sorted(root_causes or causes)
+        def causes(ranks):
+            return {rank.cause() if rank.exception else f"rank {rank.rank} {rank.cause()}" for rank in ranks}
+
+        first = causes(rank for rank in self.ranks if rank.rank in self.failed_first)
+        # A rank that died without a word can be seen a poll later than the peer
+        # that noticed it: then look at every rank that failed on its own.
+        for candidates in (first, causes(rank for rank in self.ranks if not rank.ok and not rank.killed_by_runner)):
+            root_causes = {cause for cause in candidates if not PEER_WENT_AWAY.search(cause)}
+            if root_causes:
+                return sorted(root_causes)
+        return sorted(first)
 
     def transcript(self) -> str:
         """What an output file holds: the printed output, then the exceptions raised, if any."""
@@ -222,7 +233,7 @@ def _wait_for_ranks(poll, world_size: int, deadline: float, grace: float):
         time.sleep(0.01)
 
 
-def _collect(path, work: Path, world_size, codes, pids, still_running, started, timed_out, timeout, failed_first):
+def _collect(path, work: Path, world_size, codes, pids, still_running, started, timed_out, timeout, failed_first, port):
     ranks = []
     for rank in range(world_size):
         report = {}
@@ -244,7 +255,7 @@ def _collect(path, work: Path, world_size, codes, pids, still_running, started, 
         )
     return RunResult(
         snippet=path, world_size=world_size, ranks=ranks, seconds=time.monotonic() - started,
-        timed_out=timed_out, timeout=timeout, failed_first=failed_first,
+        timed_out=timed_out, timeout=timeout, failed_first=failed_first, port=port,
     )
 
 
@@ -274,7 +285,7 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                 _kill_group(process)
         codes = [process.returncode for process in processes]
         return _collect(path, work, world_size, codes, [p.pid for p in processes], still_running,
-                        started, timed_out, timeout, failed_first)
+                        started, timed_out, timeout, failed_first, port)
 
 
 class RankPool:
@@ -372,7 +383,7 @@ class RankPool:
                 for stream in ("stdout", "stderr"):
                     (work / f"rank{rank}.{stream}").touch()
             result = _collect(path, work, self.world_size, codes, [w.pid for w in self.workers], still_running,
-                              started, timed_out, timeout, failed_first)
+                              started, timed_out, timeout, failed_first, port)
         return result
 
     def close(self) -> None:
@@ -426,6 +437,18 @@ def run_snippet(
     path = resolve_snippet(snippet)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if fresh:
-        return run_fresh(path, world_size, call, timeout, grace, env)
-    return warm_pool(world_size).run(path, call, timeout, grace, env)
+    first_attempt = None
+    for _ in range(2):
+        if fresh:
+            result = run_fresh(path, world_size, call, timeout, grace, env)
+        else:
+            result = warm_pool(world_size).run(path, call, timeout, grace, env)
+        if first_attempt is not None:
+            result.retried_because = first_attempt.failure_report()
+        if result.ok or not result.port_was_taken or first_attempt is not None:
+            return result
+        # The port was free when the runner chose it, and something took it before
+        # rank 0 could listen (another test run, say). The choice was the runner's,
+        # so it tries once more with another port.
+        first_attempt = result
+    return result

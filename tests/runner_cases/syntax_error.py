@@ -1,0 +1,3 @@
+"""A snippet that does not even compile."""
+def main(:
+    pass

@@ -1,0 +1,176 @@
+"""Fault injection: every way a rank can fail ends the run promptly, says who failed and why, and leaves nothing running.
+
+Each case is a purpose-made script in tests/runner_cases/, run in the warm pool and in
+fresh processes. For each: the run ends within a bound (the grace period or the timeout,
+plus a few seconds), the report names the snippet, the ranks and the cause, and no process
+the run started is alive afterwards (checked by process id and process group).
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import runner
+from runner import ROOT, SnippetFailed, run_snippet
+
+CASES = Path(__file__).parent / "runner_cases"
+GRACE = 3.0
+SLACK = 5.0  # seconds on top of the grace period or the timeout
+
+
+def alive(pid):
+    """True if `pid`, or any process in its process group, still exists (zombies count as gone)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, pgid = fields[0], int(fields[2])
+        if (int(entry.name) == pid or pgid == pid) and state != "Z":
+            return True
+    return False
+
+
+# case, timeout, the report's rank lines, the run's `errors`, whether it times out
+FAULTS = [
+    pytest.param(
+        "raise_before_collective", 60,
+        ["rank 0: KeyError: 'no such config key'", "rank 1: killed by the runner"],
+        ["KeyError: 'no such config key'"], False, id="raises-before-any-collective"),
+    pytest.param(
+        "raise_on_rank1", 60,
+        ["rank 1: ValueError: rank 1 gave up"],
+        ["ValueError: rank 1 gave up"], False, id="raises-while-others-wait-in-a-collective"),
+    pytest.param(
+        "hang_on_rank1", 4,
+        ["rank 0: killed by the runner", "rank 1: killed by the runner"],
+        [], True, id="hangs-forever"),
+    pytest.param(
+        "exit_abruptly", 60,
+        ["rank 1: exited with code 3"],
+        ["rank 1 exited with code 3"], False, id="exits-abruptly"),
+    pytest.param(
+        "killed_by_signal", 60,
+        ["rank 1: killed by signal SIGKILL"],
+        ["rank 1 killed by signal SIGKILL"], False, id="killed-by-a-signal"),
+    pytest.param(
+        "syntax_error", 60,
+        ["rank 0: SyntaxError: invalid syntax (syntax_error.py, line 2)",
+         "rank 1: SyntaxError: invalid syntax (syntax_error.py, line 2)"],
+        ["SyntaxError: invalid syntax (syntax_error.py, line 2)"], False, id="syntax-error"),
+]
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+@pytest.mark.parametrize("case, timeout, rank_lines, errors, times_out", FAULTS)
+def test_fault_ends_the_run_and_names_rank_and_cause(case, timeout, rank_lines, errors, times_out, fresh):
+    result = run_snippet(CASES / f"{case}.py", world_size=2, timeout=timeout, grace=GRACE, fresh=fresh)
+    assert not result.ok
+    assert result.timed_out == times_out
+    bound = (timeout if times_out else GRACE) + SLACK
+    assert result.seconds < bound, f"took {result.seconds:.1f}s, bound {bound}s"
+    report = result.failure_report()
+    assert report.startswith(f"tests/runner_cases/{case}.py failed on 2 ranks")
+    for line in rank_lines:
+        assert line in report, report
+    assert result.errors == errors
+    if times_out:
+        assert f"timed out after {timeout}s" in report
+    for rank in result.ranks:
+        if rank.exception:  # the traceback of every rank that raised first is in the report
+            assert rank.rank not in result.failed_first or rank.exception["traceback"].rstrip() in report
+    with pytest.raises(SnippetFailed):
+        result.check()
+    assert not any(alive(rank.pid) for rank in result.ranks)
+
+
+def test_children_of_a_hung_rank_die_with_it():
+    result = run_snippet(CASES / "hang_with_child.py", world_size=2, timeout=4)
+    assert result.timed_out
+    children = [int(pid) for pid in re.findall(r"^child (\d+)$", result.output, re.M)]
+    assert len(children) == 2
+    assert not any(alive(pid) for pid in children + [rank.pid for rank in result.ranks])
+
+
+def test_the_pool_is_healthy_after_a_fault():
+    failed = run_snippet(CASES / "raise_on_rank1.py", world_size=2)
+    assert not failed.ok
+    after = run_snippet(CASES / "hello.py", world_size=2).check()
+    assert after.output == "[rank 0] world 2 local 0 sum 3\n[rank 1] world 2 local 1 sum 3\n"
+    assert not {rank.pid for rank in after.ranks} & {rank.pid for rank in failed.ranks}
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_a_taken_port_is_retried_once_with_another(taken_port, monkeypatch, fresh):
+    ports = iter([taken_port, runner.free_port()])
+    monkeypatch.setattr(runner, "free_port", lambda: next(ports))
+    result = run_snippet(CASES / "hello.py", world_size=2, fresh=fresh).check()
+    assert result.port != taken_port
+    assert "EADDRINUSE" in result.retried_because and "rank 0: DistNetworkError" in result.retried_because
+
+
+def test_a_port_that_stays_taken_is_a_clear_error(taken_port, monkeypatch):
+    monkeypatch.setattr(runner, "free_port", lambda: taken_port)
+    result = run_snippet(CASES / "hello.py", world_size=2, grace=GRACE)
+    assert not result.ok and result.port == taken_port and result.retried_because
+    assert result.errors == [
+        f"DistNetworkError: The server socket has failed to listen on any local network address. "
+        f"port: {taken_port}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+    ]
+    assert not any(alive(rank.pid) for rank in result.ranks)
+
+
+def test_two_test_runs_at_the_same_time():
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from runner import run_snippet;"
+        "r = run_snippet('tests/runner_cases/hello.py', world_size=2).check(); print(r.port); print(r.output, end='')"
+    )
+    runs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [run.communicate(timeout=180)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0]
+    ports = [out.splitlines()[0] for out in outputs]
+    assert ports[0] != ports[1]
+    for out in outputs:
+        assert out.splitlines()[1:] == ["[rank 0] world 2 local 0 sum 3", "[rank 1] world 2 local 1 sum 3"]
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_ctrl_c_on_the_test_session_leaves_no_rank_behind(tmp_path, fresh):
+    pids_file = tmp_path / "pids"
+    env = {**os.environ, "PIDS_FILE": str(pids_file), "RUN_FRESH": "1" if fresh else "0"}
+    session = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES / "interrupted_session.py")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids_file.exists() and len(pids_file.read_text().split()) == 4):
+            assert session.poll() is None, session.stdout.read()
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        pids = [int(pid) for pid in pids_file.read_text().split()]  # two ranks and their children
+        assert all(alive(pid) for pid in pids)
+        session.send_signal(signal.SIGINT)
+        output, _ = session.communicate(timeout=30)
+    finally:
+        session.kill()
+    assert "KeyboardInterrupt" in output
+    time.sleep(0.5)
+    assert not any(alive(pid) for pid in pids), output
