@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import venv
 from pathlib import Path
 
@@ -23,6 +26,15 @@ VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 CONSTRAINTS = ROOT / "constraints.txt"
 STAMP = VENV / ".installed-from"
+
+# Mermaid, for the diagrams on the pages. Material for MkDocs loads it from unpkg.com unless
+# the page already has it, so the site ships this pinned copy (not committed: 3.5 MB;
+# hooks/offline.py adds it to the pages that have a diagram). Fetched with npm, checked
+# against this hash.
+MERMAID_VERSION = "11.17.2"
+MERMAID_SHA256 = "581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8"
+MERMAID_DIR = ROOT / "docs" / "assets" / "vendor" / "mermaid"
+MERMAID_JS = MERMAID_DIR / "mermaid.min.js"
 
 
 def die(message: str) -> None:
@@ -46,9 +58,36 @@ def pip_install(*args: str) -> None:
     subprocess.run(command, cwd=ROOT, check=True)
 
 
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def ensure_mermaid() -> None:
+    if MERMAID_JS.is_file() and sha256(MERMAID_JS) == MERMAID_SHA256:
+        return
+    npm = shutil.which("npm")
+    if npm is None:
+        die(f"npm is needed once, to fetch mermaid {MERMAID_VERSION} for the site's diagrams")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [npm, "pack", f"mermaid@{MERMAID_VERSION}", "--pack-destination", tmp, "--silent"]
+        print("+", " ".join(command[:3]), flush=True)
+        subprocess.run(command, cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+        with tarfile.open(Path(tmp) / f"mermaid-{MERMAID_VERSION}.tgz") as archive:
+            for member, target in (("package/dist/mermaid.min.js", "mermaid.min.js"),
+                                   ("package/LICENSE", "LICENSE")):
+                data = archive.extractfile(member).read()
+                (Path(tmp) / target).write_bytes(data)
+        if sha256(Path(tmp) / "mermaid.min.js") != MERMAID_SHA256:
+            die(f"mermaid {MERMAID_VERSION} from npm does not match the pinned hash in tasks.py")
+        MERMAID_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(tmp) / "LICENSE", MERMAID_DIR / "LICENSE")
+        shutil.copy(Path(tmp) / "mermaid.min.js", MERMAID_JS)
+
+
 def ensure_environment() -> None:
     if sys.version_info[:2] != (3, 11):
         die(f"needs Python 3.11 (the pinned torch 2.13.0 wheel is cp311); this is {sys.version.split()[0]}")
+    ensure_mermaid()
     if not PYTHON.exists():
         print(f"creating virtual environment {VENV}", flush=True)
         venv.create(VENV, with_pip=True)

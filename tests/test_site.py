@@ -1,36 +1,93 @@
-"""The site builds with `mkdocs build --strict`, and a broken snippet include fails the build."""
+"""The site builds with `mkdocs build --strict`; a broken snippet include or a failing notebook
+cell fails the build; every page carries the version stamp.
 
+The strict build of the real project runs once per test session (it executes the notebook,
+which starts a real 2-rank run); tests/site/ reuses it through `strict_build()`.
+"""
+
+import atexit
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
 from runner import ROOT
 
 SITE_SOURCES = ["mkdocs.yml", "docs", "snippets", "overrides", "hooks"]
+NOTEBOOK = Path("docs") / "notebooks" / "gather-and-release.py"
 
 
-def build(project_dir, site_dir):
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+def build(project_dir, site_dir, **env):
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", **env}
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-        cwd=project_dir, env=env, capture_output=True, text=True, timeout=300,
+        cwd=project_dir, env=env, capture_output=True, text=True, timeout=900,
     )
 
 
-def test_site_builds_strict(tmp_path):
-    result = build(ROOT, tmp_path / "site")
+@functools.cache
+def strict_build():
+    """Build the real project once per session: (the finished process, the site directory)."""
+    site = Path(tempfile.mkdtemp(prefix="site-")) / "site"
+    atexit.register(shutil.rmtree, site.parent, ignore_errors=True)
+    # An EDIT_URI as the GitHub Pages workflow sets it, so the edit links are built too.
+    return build(ROOT, site, EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/"), site
+
+
+def built_pages(site):
+    """Every HTML page of a built site, 404.html included."""
+    return sorted(site.rglob("*.html"))
+
+
+def test_site_builds_strict():
+    result, site = strict_build()
     assert result.returncode == 0, result.stderr
-    page = (tmp_path / "site" / "zero3" / "external-parameters" / "index.html").read_text()
+    page = (site / "zero3" / "external-parameters" / "index.html").read_text()
     # The included snippet, its output file and the version stamp are on the page.
     assert "register_external_parameter" in page
     assert "step 0: loss" in page
     assert "--8&lt;--" not in page and "[start:model]" not in page
-    from importlib.metadata import version
-    assert f"<code>{version('deepspeed')}</code>" in page
-    assert f"<code>{version('torch')}</code>" in page
+
+
+def test_every_page_shows_the_versions_it_was_verified_with():
+    result, site = strict_build()
+    assert result.returncode == 0, result.stderr
+    pages = [page for page in built_pages(site) if page.name != "404.html"]
+    assert len(pages) >= 6 and site / "notebooks" / "gather-and-release" / "index.html" in pages
+    stamp = re.compile(rf"Examples verified with torch <code>{re.escape(version('torch'))}</code> and\s+"
+                       rf"DeepSpeed <code>{re.escape(version('deepspeed'))}</code>")
+    for page in pages:
+        assert stamp.search(page.read_text()), f"{page.relative_to(site)} has no version stamp"
+
+
+def test_the_notebook_ran_while_the_site_was_built():
+    result, site = strict_build()
+    assert result.returncode == 0, result.stderr
+    page = (site / "notebooks" / "gather-and-release" / "index.html").read_text()
+    assert "Converting notebook (execute=True)" in result.stderr
+    # Outputs exist only because the cells ran: the run's summary, the checks, the plot.
+    assert "registered: 20 moments recorded, losses [3.7219, 4.0055]" in page
+    assert "all checks passed" in page
+    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == 1
+    # The notebook's source is offered for download next to the page.
+    assert (site / "notebooks" / "gather-and-release" / "gather-and-release.py").read_text() == (ROOT / NOTEBOOK).read_text()
+
+
+def test_every_page_has_an_edit_link_when_edit_uri_is_set():
+    result, site = strict_build()
+    assert result.returncode == 0, result.stderr
+    base = "https://github.com/example/shared-params-docs/edit/main/docs/"
+    for page, source in [("index.html", "index.md"),
+                         ("zero3/external-parameters/index.html", "zero3/external-parameters.md"),
+                         ("notebooks/gather-and-release/index.html", "notebooks/gather-and-release.py")]:
+        assert f'href="{base}{source}"' in (site / page).read_text(), page
 
 
 @pytest.fixture
@@ -61,3 +118,16 @@ def test_missing_snippet_file_fails_the_build(project_copy, tmp_path):
     result = build(project_copy, tmp_path / "site")
     assert result.returncode != 0
     assert "language_model.out" in result.stderr, result.stderr
+
+
+def test_failing_notebook_cell_fails_the_build(project_copy, tmp_path):
+    notebook = project_copy / NOTEBOOK
+    text = notebook.read_text()
+    first_code_cell = "\n# %%\n"
+    assert first_code_cell in text
+    # A cell that fails before the notebook's run starts, so this build stays cheap.
+    notebook.write_text(text.replace(first_code_cell, "\n# %%\nraise RuntimeError('deliberately broken cell')\n\n# %%\n", 1))
+    result = build(project_copy, tmp_path / "site")
+    assert result.returncode != 0
+    stderr = re.sub(r"\x1b\[[0-9;]*m", "", result.stderr)  # the kernel's traceback is colored
+    assert "CellExecutionError" in stderr and "RuntimeError: deliberately broken cell" in stderr, stderr[-3000:]
