@@ -1,0 +1,167 @@
+"""The built site in a real Chromium: every page renders without errors and loads nothing from
+other hosts; copy buttons copy the code; search finds the API names and lands on the right
+page; the light/dark toggle works; the Mermaid diagram renders from the local copy; the 404
+page helps.
+
+Each test's tab records every request and every console error; the `browser_page` fixture
+fails the test if a request left the local server or an error was logged.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib.metadata import version
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from runner import ROOT
+
+DOCS = ROOT / "docs"
+SNIPPET_INCLUDE = re.compile(r'^\s*--8<-- "(snippets/[^"]+)"$', re.MULTILINE)
+
+
+def page_paths() -> list[str]:
+    """The address (relative to the site root) of every page, from the sources in docs/."""
+    paths = []
+    for source in sorted(DOCS.rglob("*.md")) + sorted((DOCS / "notebooks").glob("*.py")):
+        relative = source.relative_to(DOCS).with_suffix("").as_posix()
+        paths.append("" if relative == "index" else relative + "/")
+    return paths
+
+
+def source_of(path: str) -> Path:
+    stem = DOCS / (path.rstrip("/") or "index")
+    return stem.with_suffix(".md") if stem.with_suffix(".md").is_file() else stem.with_suffix(".py")
+
+
+def first_line_of(include: str) -> str:
+    """The first non-blank line of an included file or section, whitespace-normalized."""
+    path, _, section = include.partition(":")
+    lines = (ROOT / path).read_text().splitlines()
+    if section:
+        start = next(i for i, line in enumerate(lines) if line.strip().endswith(f"[start:{section}]"))
+        lines = lines[start + 1:]
+    return " ".join(next(line for line in lines if line.strip()).split())
+
+
+def open_page(page, url):
+    response = page.goto(url, wait_until="networkidle")
+    assert response is not None and response.status == 200, f"{url}: {response and response.status}"
+    return response
+
+
+def test_every_built_page_is_checked(site_dir):
+    built = {p.parent.relative_to(site_dir).as_posix() + "/" for p in site_dir.rglob("index.html")}
+    built = {"" if p == "./" else p for p in built}
+    built -= {p for p in built if p.startswith("assets/")}
+    assert built == set(page_paths())
+
+
+@pytest.mark.parametrize("path", page_paths(), ids=lambda p: p or "home")
+def test_page_renders_with_working_copy_buttons(browser_page, site_url, path):
+    page = browser_page
+    open_page(page, site_url + path)
+    assert page.locator("article h1").first.is_visible()
+    stamp = page.locator("p.verified-with")
+    assert stamp.is_visible()
+    assert f"torch {version('torch')} and DeepSpeed {version('deepspeed')}" in " ".join(stamp.inner_text().split())
+
+    source = source_of(path)
+    if source.suffix == ".md":
+        # Every code block has Material's copy button, and the blocks the page pulls from
+        # snippets/ are there (an include can hold several sections, never fewer blocks).
+        blocks = page.locator("article div.highlight pre")
+        buttons = page.locator("article div.highlight pre button[data-md-type='copy']")
+        assert blocks.count() == buttons.count()
+        shown = " ".join(" ".join(blocks.all_text_contents()).split())  # collapsed blocks too
+        for include in SNIPPET_INCLUDE.findall(source.read_text()):
+            first_line = first_line_of(include)
+            assert first_line in shown, f"{path}: the code included by {include!r} is not on the page"
+        if blocks.count():
+            check_copy(page, blocks.first.locator("code"), buttons.first)
+    else:
+        # A notebook: every code cell has its copy button (mkdocs-jupyter's), and the plot is drawn.
+        cells = page.locator(".jp-CodeCell .jp-InputArea-editor")
+        buttons = page.locator(".jp-CodeCell clipboard-copy")
+        assert cells.count() >= 3 and buttons.count() == cells.count()
+        image = page.locator(".jp-OutputArea-output img")
+        assert image.count() == 1
+        assert image.evaluate("img => img.complete && img.naturalWidth > 500")
+        check_copy(page, cells.nth(0).locator("pre"), buttons.nth(0))
+
+
+def check_copy(page, code, button):
+    page.evaluate("navigator.clipboard.writeText('')")
+    button.scroll_into_view_if_needed()
+    button.click()
+    page.wait_for_function("async () => (await navigator.clipboard.readText()).length > 0")
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert copied.split() == code.inner_text().split()
+
+
+@pytest.mark.parametrize("query, lands_on", [
+    ("register_external_parameter", "zero3/external-parameters/"),
+    ("TiedLayerSpec", "pipeline/tied-layers/"),
+])
+def test_search_finds_the_api_and_lands_on_its_page(browser_page, site_url, query, lands_on):
+    page = browser_page
+    open_page(page, site_url)
+    page.locator("label.md-search__icon[for='__search'], .md-search__input").first.click()
+    page.locator("input.md-search__input").press_sequentially(query, delay=20)  # as typed
+    # One list item per matching page; its first link is the page itself.
+    documents = page.locator("li.md-search-result__item > a.md-search-result__link:first-child")
+    documents.first.wait_for()
+    page.wait_for_timeout(500)  # the results of the last keystroke replace those of earlier ones
+    paths = [urlsplit(documents.nth(i).get_attribute("href")).path for i in range(documents.count())]
+    target = "/" + lands_on
+    assert target in paths[:3], f"{lands_on} is not among the first three results: {paths}"
+    documents.nth(paths.index(target)).click()
+    page.wait_for_load_state("networkidle")
+    assert urlsplit(page.url).path == target
+    assert query in page.locator("article").inner_text()
+
+
+def test_light_dark_toggle(browser_page, site_url):
+    page = browser_page
+    open_page(page, site_url)
+    body = page.locator("body")
+    background = "() => getComputedStyle(document.body).backgroundColor"
+    assert body.get_attribute("data-md-color-scheme") == "default"
+    light = page.evaluate(background)
+    page.locator("label[title='Switch to dark mode']").click()
+    page.wait_for_function("document.body.getAttribute('data-md-color-scheme') === 'slate'")
+    dark = page.evaluate(background)
+    assert dark != light
+    # The choice is kept when the reader moves to another page.
+    open_page(page, site_url + "zero3/external-parameters/")
+    assert body.get_attribute("data-md-color-scheme") == "slate"
+    page.locator("label[title='Switch to light mode']").click()
+    page.wait_for_function("document.body.getAttribute('data-md-color-scheme') === 'default'")
+    assert page.evaluate(background) == light
+
+
+def test_mermaid_diagram_renders_from_the_local_copy(browser_page, site_url):
+    page = browser_page
+    open_page(page, site_url + "pipeline/tied-layers/")
+    page.wait_for_function("document.querySelectorAll('pre.mermaid').length === 0")
+    diagram = page.locator("article div.mermaid")
+    assert diagram.count() == 1
+    assert diagram.bounding_box()["height"] > 100
+    assert any(url.endswith("/assets/vendor/mermaid/mermaid.min.js") for url in page.requests)
+
+
+def test_missing_page_gets_a_useful_404(browser_page, site_url):
+    page = browser_page
+    response = page.goto(site_url + "no/such/page/", wait_until="networkidle")
+    assert response.status == 404
+    # The browser logs the 404 status itself; that is the one error expected here.
+    page.errors[:] = [e for e in page.errors if "status of 404" not in e]
+    assert page.locator("article h1").inner_text() == "Page not found"
+    assert page.locator("ul.not-found-pages a").count() == len(page_paths())
+    # Styles loaded although the address is two levels deep: the header is laid out.
+    assert page.locator("header.md-header").bounding_box()["height"] > 30
+    page.locator("a.not-found-home").click()
+    page.wait_for_load_state("networkidle")
+    assert page.url == site_url
