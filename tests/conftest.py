@@ -7,6 +7,8 @@ import pytest
 
 from runner import ROOT, RunResult
 
+pytest_plugins = ["coverage_gate"]
+
 
 def pytest_addoption(parser):
     parser.addoption(

@@ -11,7 +11,7 @@ DOCS = ROOT / "docs"
 
 # The command a snippet documents in its docstring, e.g.
 #   DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py
-TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/\S+\.py)")
+TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
 
 
 def all_snippets() -> list[Path]:

@@ -167,6 +167,7 @@ def serve(reply_fd: int) -> int:
     import deepspeed  # noqa: F401
     import torch  # noqa: F401
 
+    measured = start_snippet_coverage()
     fresh = FreshState()
     saved_stdout, saved_stderr = os.dup(1), os.dup(2)
     with os.fdopen(reply_fd, "w") as replies:
@@ -182,6 +183,8 @@ def serve(reply_fd: int) -> int:
             os.close(out)
             os.close(err)
             exit_code = run_one(job["snippet"], job["report"], job.get("function") or "")
+            if measured:
+                measured.save()  # before answering: after a failure the pool is killed
             # Answer first: a failed rank must be seen before its peers fail
             # because it went away. After a failure the pool is killed anyway.
             replies.write(json.dumps({"exit_code": exit_code}) + "\n")
@@ -196,12 +199,32 @@ def serve(reply_fd: int) -> int:
     return 0
 
 
+def start_snippet_coverage():
+    """Line coverage of snippets/ in this rank, when the test session asks for it (tests/coverage_gate.py)."""
+    data_file = os.environ.get("SNIPPET_COVERAGE_DATA")
+    if not data_file:
+        return None
+    import coverage
+
+    measured = coverage.Coverage(
+        data_file=data_file, data_suffix=True, config_file=False,
+        include=[os.path.join(PROJECT, "snippets", "*")],
+    )
+    measured.start()
+    return measured
+
+
 def main() -> int:
     if sys.argv[1] == "--serve":
         return serve(int(sys.argv[2]))
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
-    return run_one(snippet, report_file, function)
+    measured = start_snippet_coverage()
+    exit_code = run_one(snippet, report_file, function)
+    if measured:
+        measured.stop()
+        measured.save()
+    return exit_code
 
 
 if __name__ == "__main__":

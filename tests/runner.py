@@ -92,6 +92,7 @@ class RunResult:
     timeout: float = 0.0
     failed_first: list[int] = field(default_factory=list)  # ranks that failed before the runner stepped in
     port: int = 0  # MASTER_PORT of the run
+    first_failure_seconds: float | None = None  # when the runner first saw a rank fail, from the start
     retried_because: str | None = None  # the failure report of a first attempt whose port was taken
 
     @property
@@ -213,7 +214,7 @@ def _wait_for_ranks(poll, world_size: int, deadline: float, grace: float):
     """Poll every rank until all are done, one failed `grace` seconds ago, or the deadline passed.
 
     poll(rank) gives the rank's exit code, or None while it runs.
-    Returns (exit codes, ranks that failed first, timed out?).
+    Returns (exit codes, ranks that failed first, when they were seen failing or None, timed out?).
     """
     failed_first: list[int] = []
     first_failure_at = None
@@ -225,15 +226,16 @@ def _wait_for_ranks(poll, world_size: int, deadline: float, grace: float):
             if failed_first:
                 first_failure_at = now
         if all(code is not None for code in codes):
-            return codes, failed_first, False
+            return codes, failed_first, first_failure_at, False
         if first_failure_at is not None and now - first_failure_at > grace:
-            return codes, failed_first, False
+            return codes, failed_first, first_failure_at, False
         if now > deadline:
-            return codes, failed_first, True
+            return codes, failed_first, first_failure_at, True
         time.sleep(0.01)
 
 
-def _collect(path, work: Path, world_size, codes, pids, still_running, started, timed_out, timeout, failed_first, port):
+def _collect(path, work: Path, world_size, codes, pids, still_running, started, timed_out, timeout, failed_first,
+             failed_at, port):
     ranks = []
     for rank in range(world_size):
         report = {}
@@ -256,6 +258,7 @@ def _collect(path, work: Path, world_size, codes, pids, still_running, started, 
     return RunResult(
         snippet=path, world_size=world_size, ranks=ranks, seconds=time.monotonic() - started,
         timed_out=timed_out, timeout=timeout, failed_first=failed_first, port=port,
+        first_failure_seconds=None if failed_at is None else failed_at - started,
     )
 
 
@@ -277,7 +280,7 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                         command, cwd=ROOT, env=rank_env, stdin=subprocess.DEVNULL,
                         stdout=out, stderr=err, start_new_session=True,
                     ))
-            codes, failed_first, timed_out = _wait_for_ranks(
+            codes, failed_first, failed_at, timed_out = _wait_for_ranks(
                 lambda rank: processes[rank].poll(), world_size, started + timeout, grace)
         finally:
             still_running = {r for r, process in enumerate(processes) if process.poll() is None}
@@ -285,7 +288,7 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                 _kill_group(process)
         codes = [process.returncode for process in processes]
         return _collect(path, work, world_size, codes, [p.pid for p in processes], still_running,
-                        started, timed_out, timeout, failed_first, port)
+                        started, timed_out, timeout, failed_first, failed_at, port)
 
 
 class RankPool:
@@ -372,7 +375,7 @@ class RankPool:
                             codes[rank] = self.workers[rank].returncode
                     return codes[rank]
 
-                _, failed_first, timed_out = _wait_for_ranks(poll, self.world_size, started + timeout, grace)
+                _, failed_first, failed_at, timed_out = _wait_for_ranks(poll, self.world_size, started + timeout, grace)
             finally:
                 still_running = {r for r in range(self.world_size) if codes[r] is None}
                 if still_running or any(code != 0 for code in codes):
@@ -383,7 +386,7 @@ class RankPool:
                 for stream in ("stdout", "stderr"):
                     (work / f"rank{rank}.{stream}").touch()
             result = _collect(path, work, self.world_size, codes, [w.pid for w in self.workers], still_running,
-                              started, timed_out, timeout, failed_first, port)
+                              started, timed_out, timeout, failed_first, failed_at, port)
         return result
 
     def close(self) -> None:

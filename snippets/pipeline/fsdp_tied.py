@@ -63,8 +63,8 @@ def train(tie_in_one_group):
 def main():
     dist.init_process_group("gloo")
     train(tie_in_one_group=True)
-    train(tie_in_one_group=False)
-    dist.destroy_process_group()
+    train(tie_in_one_group=False)  # raises ValueError
+    dist.destroy_process_group()  # never reached: the line above raises
 # --8<-- [end:train]
 
 

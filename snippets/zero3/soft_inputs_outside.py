@@ -23,7 +23,7 @@ class Seq2Seq(nn.Module):
         # What the reader of seed 002 tried: register the weight on the model.
         deepspeed.zero.register_external_parameter(self, self.shared.weight)
 
-    def forward(self, inputs_embeds):
+    def forward(self, inputs_embeds):  # never reached: compute_loss fails before calling it
         hidden = torch.tanh(self.mixer(inputs_embeds))
         return hidden @ self.shared.weight.t()
 
@@ -33,8 +33,8 @@ def compute_loss(engine, sampled_input, targets):
     b, l, c = sampled_input.shape
     # Runs in the training loop, outside every forward: the weight is still partitioned.
     sampled_input_embed = sampled_input.view(b * l, c).mm(engine.module.shared.weight)
-    logits = engine(sampled_input_embed.view(b, l, DIM))
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    logits = engine(sampled_input_embed.view(b, l, DIM))  # never reached: the line above raises
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))  # never reached
 # --8<-- [end:loss]
 
 
@@ -56,8 +56,8 @@ def main():
     sampled_input = torch.softmax(torch.randn(BATCH // world, SEQ, VOCAB, generator=generator), dim=-1)
     targets = torch.randint(0, VOCAB, (BATCH // world, SEQ), generator=generator)
     loss = compute_loss(engine, sampled_input, targets)  # raises
-    engine.backward(loss)
-    torch.distributed.destroy_process_group()
+    engine.backward(loss)  # never reached: compute_loss raises
+    torch.distributed.destroy_process_group()  # never reached
 
 
 if __name__ == "__main__":
