@@ -37,8 +37,10 @@ def strict_build():
     """Build the real project once per session: (the finished process, the site directory)."""
     site = Path(tempfile.mkdtemp(prefix="site-")) / "site"
     atexit.register(shutil.rmtree, site.parent, ignore_errors=True)
-    # An EDIT_URI as the GitHub Pages workflow sets it, so the edit links are built too.
-    return build(ROOT, site, EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/"), site
+    # Served at the root of a local server by the browser tests, whatever SITE_URL the
+    # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
+    return build(ROOT, site, SITE_URL="http://127.0.0.1:8000/",
+                 EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/"), site
 
 
 def built_pages(site):
