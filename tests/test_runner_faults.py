@@ -128,6 +128,8 @@ def test_a_taken_port_is_retried_once_with_another(taken_port, monkeypatch, fres
     result = run_snippet(CASES / "hello.py", world_size=2, fresh=fresh).check()
     assert result.port != taken_port
     assert "EADDRINUSE" in result.retried_because and "rank 0: DistNetworkError" in result.retried_because
+    runner.close_pools()
+    assert not any(alive(rank.pid) for rank in result.ranks)
 
 
 def test_a_port_that_stays_taken_is_a_clear_error(taken_port, monkeypatch):
@@ -141,18 +143,44 @@ def test_a_port_that_stays_taken_is_a_clear_error(taken_port, monkeypatch):
     assert not any(alive(rank.pid) for rank in result.ranks)
 
 
+# A test session in miniature: run hello.py in the warm pool, print the port, the pool's pids and the output.
+SESSION = (
+    "import sys; sys.path.insert(0, 'tests'); from runner import run_snippet;"
+    "r = run_snippet('tests/runner_cases/hello.py', world_size=2).check();"
+    "print(r.port); print(*[rank.pid for rank in r.ranks]); print(r.output, end='', flush=True);"
+    "sys.stdin.read() if len(sys.argv) > 1 else None"
+)
+
+
 def test_two_test_runs_at_the_same_time():
-    code = (
-        "import sys; sys.path.insert(0, 'tests'); from runner import run_snippet;"
-        "r = run_snippet('tests/runner_cases/hello.py', world_size=2).check(); print(r.port); print(r.output, end='')"
-    )
-    runs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [subprocess.Popen([sys.executable, "-c", SESSION], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [run.communicate(timeout=180)[0] for run in runs]
     assert [run.returncode for run in runs] == [0, 0]
     ports = [out.splitlines()[0] for out in outputs]
     assert ports[0] != ports[1]
     for out in outputs:
-        assert out.splitlines()[1:] == ["[rank 0] world 2 local 0 sum 3", "[rank 1] world 2 local 1 sum 3"]
+        assert out.splitlines()[2:] == ["[rank 0] world 2 local 0 sum 3", "[rank 1] world 2 local 1 sum 3"]
+    time.sleep(0.5)
+    pool_pids = [int(pid) for out in outputs for pid in out.splitlines()[1].split()]
+    assert len(set(pool_pids)) == 4  # each run had its own pool, and each pool ended with its session
+    assert not any(alive(pid) for pid in pool_pids)
+
+
+def test_pool_ranks_die_when_the_test_process_is_killed_outright():
+    session = subprocess.Popen([sys.executable, "-c", SESSION, "wait"], cwd=ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        session.stdout.readline()
+        pool_pids = [int(pid) for pid in session.stdout.readline().split()]
+        assert len(pool_pids) == 2 and all(alive(pid) for pid in pool_pids)
+        session.kill()  # SIGKILL: no atexit, no finally
+        session.wait(timeout=30)
+    finally:
+        session.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pool_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pool_pids)
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])

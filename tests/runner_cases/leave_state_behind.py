@@ -16,6 +16,9 @@ with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 
 os.environ["LEFT_BEHIND"] = "yes"
 os.chdir("/")
 sys.path.insert(0, "/nonexistent")
+sys.argv.append("--extra")
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
 sibling_state.counter += 1
 torch.set_default_dtype(torch.float64)
 torch.set_grad_enabled(False)
