@@ -41,13 +41,22 @@ class ModuleZ3(nn.Module):
 # --8<-- [end:model]
 
 
+class ModuleZ3WithoutRegistration(ModuleZ3):
+    """ModuleZ3 with the registration left out (same layers, created in the same order)."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.layer1 = nn.Linear(DIM, DIM)
+        self.layer2 = OtherLayer()
+
+
 def make_batch(step):
     """A regression batch: the same on every rank, for every run."""
     generator = torch.Generator().manual_seed(SEED + step)
     return torch.randn(BATCH, DIM, generator=generator), torch.randn(BATCH, DIM, generator=generator)
 
 
-def main():
+def main(model_class=ModuleZ3):
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = {
@@ -58,7 +67,7 @@ def main():
     }
     torch.manual_seed(SEED)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = ModuleZ3()
+        model = model_class()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
@@ -97,6 +106,11 @@ def main():
         seen.clear()
     torch.distributed.destroy_process_group()
     return {"losses": losses, "grads": grads, "watched": watched, "ds_shape": tuple(weight.ds_shape)}
+
+
+def main_without_registration():
+    """The same run without the registration: DeepSpeed detects this read by itself."""
+    return main(ModuleZ3WithoutRegistration)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""ModuleZ3 (the corrected upstream example) under ZeRO-3 equals plain PyTorch; the registered
-weight is gathered at the start of ModuleZ3.forward and partitioned again after backward."""
+"""ModuleZ3 (the corrected upstream example) under ZeRO-3 equals plain PyTorch, with and without
+the registration; the registered weight is gathered at the start of ModuleZ3.forward and
+partitioned again after backward; the upstream example as shipped fails in its constructor."""
 
 import runpy
+import textwrap
+
+import deepspeed
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ from examples import output_file
 from runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/module_z3.py"
+PAGE = ROOT / "docs/zero3/external-parameters.md"
+UPSTREAM_ERROR = "ModuleZ3.__init__() takes 1 positional argument but 2 were given"
 
 
 def train_without_deepspeed():
@@ -35,17 +41,21 @@ def reference():
     return train_without_deepspeed()
 
 
+def assert_equals_plain_pytorch(got, reference):
+    expected_losses, expected_grads = reference
+    assert got["losses"] == pytest.approx(expected_losses, abs=1e-6)
+    for step, (grads, want) in enumerate(zip(got["grads"], expected_grads, strict=True)):
+        assert grads.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero3_matches_plain_pytorch(world_size, reference, expect_output):
     result = run_snippet(SNIPPET, world_size, call="main").check()
-    expected_losses, expected_grads = reference
     for rank in range(world_size):
         got = result.returned(rank)
-        assert got["losses"] == pytest.approx(expected_losses, abs=1e-6)
-        for step, (grads, want) in enumerate(zip(got["grads"], expected_grads, strict=True)):
-            assert grads.keys() == want.keys()
-            for name in want:
-                torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        assert_equals_plain_pytorch(got, reference)
         # Outside forward the weight is empty; its real shape is in ds_shape.
         assert got["ds_shape"] == (8, 8)
         # What the page says DeepSpeed does with the registered weight.
@@ -65,3 +75,36 @@ def test_zero3_matches_plain_pytorch(world_size, reference, expect_output):
         ), later
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
+
+
+def test_without_registration_deepspeed_detects_the_read(reference):
+    """ModuleZ3 reads self.layer1.weight as an attribute in its forward: the automatically detected case."""
+    example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    # The variant really registers nothing (register_external_parameter works without ZeRO-3 too).
+    assert hasattr(example["ModuleZ3"](), "_external_params")
+    assert not hasattr(example["ModuleZ3WithoutRegistration"](), "_external_params")
+    result = run_snippet(SNIPPET, 2, call="main_without_registration").check()
+    for rank in range(2):
+        assert_equals_plain_pytorch(result.returned(rank), reference)
+
+
+def upstream_module_z3() -> str:
+    """The ModuleZ3 example as the pinned DeepSpeed ships it, in register_external_parameter's docstring."""
+    doc = deepspeed.zero.register_external_parameter.__doc__
+    start = doc.index("class ModuleZ3")
+    return textwrap.dedent(doc[doc.rindex("\n", 0, start) + 1:]).strip()
+
+
+def test_upstream_example_is_quoted_and_its_constructor_raises():
+    code = upstream_module_z3()
+    assert "# self.layer1.weight is required by self.layer2.forward" in code
+    assert "super().__init__(self, *args)" in code
+    page = PAGE.read_text()
+    assert code in page, "the page quotes the upstream example verbatim"
+    namespace = {"torch": torch, "deepspeed": deepspeed}
+    exec(code, namespace)  # SomeLayer and OtherLayer are never reached: super().__init__ raises first
+    with pytest.raises(TypeError) as raised:
+        namespace["ModuleZ3"]()
+    assert str(raised.value) == UPSTREAM_ERROR
+    assert raised.traceback[-1].path.as_posix().endswith("torch/nn/modules/module.py")
+    assert f"TypeError: {UPSTREAM_ERROR}" in page
