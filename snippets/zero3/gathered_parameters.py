@@ -4,6 +4,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/gathered_parameters.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
+import logging
+import warnings
+
 import deepspeed
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,41 @@ class LanguageModel(nn.Module):
         hidden = torch.tanh(self.mixer(self.embeddings(tokens)))
         return hidden @ self.embeddings.weight.t()
 # --8<-- [end:model]
+
+
+# --8<-- [start:lost]
+def zero_with_modifier_rank_none(weight, rank):
+    with deepspeed.zero.GatheredParameters(weight):  # modifier_rank=None, but we change it
+        with torch.no_grad():
+            weight.zero_()
+        inside = weight.sum().item()
+    with deepspeed.zero.GatheredParameters(weight):
+        after = weight.sum().item()
+    print(f"[rank {rank}] zeroed with modifier_rank=None: sum {inside:.4f} inside, {after:.4f} after")
+    return inside, after
+# --8<-- [end:lost]
+
+
+class RecordLogWarnings(logging.Handler):
+    """Collects log records of level WARNING and above (DeepSpeed's logger does not propagate)."""
+
+    loggers = (logging.getLogger(), deepspeed.utils.logger)
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        for logger in self.loggers:
+            logger.addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc):
+        for logger in self.loggers:
+            logger.removeHandler(self)
 
 
 def make_batch():
@@ -66,16 +104,11 @@ def main():
     # --8<-- [end:read]
     seen["full"], seen["after"] = full, tuple(weight.shape)
 
-    # --8<-- [start:lost]
-    with deepspeed.zero.GatheredParameters(weight):  # modifier_rank=None, but we change it
-        with torch.no_grad():
-            weight.zero_()
-        inside = weight.sum().item()
-    with deepspeed.zero.GatheredParameters(weight):
-        after = weight.sum().item()
-    print(f"[rank {rank}] zeroed with modifier_rank=None: sum {inside:.4f} inside, {after:.4f} after")
-    # --8<-- [end:lost]
-    seen["lost"] = (inside, after)
+    # Record every warning while the change is lost: Python's warnings and the log.
+    with warnings.catch_warnings(record=True) as caught, RecordLogWarnings() as logged:
+        warnings.simplefilter("always")
+        seen["lost"] = zero_with_modifier_rank_none(weight, rank)
+    seen["lost_warnings"] = [str(warning.message) for warning in caught] + logged
 
     # One training step: the run must equal plain PyTorch with the scaled weight.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -86,6 +119,16 @@ def main():
     grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
     if rank == 0:
         print(f"training step: loss {loss.item():.4f}")
+
+    # --8<-- [start:broadcast]
+    with deepspeed.zero.GatheredParameters(weight, modifier_rank=0):
+        with torch.no_grad():
+            weight.fill_(rank)  # every rank writes a different value: its rank number
+    with deepspeed.zero.GatheredParameters(weight):
+        values = weight.unique().tolist()
+    print(f"[rank {rank}] each rank wrote its rank under modifier_rank=0; values after: {values}")
+    # --8<-- [end:broadcast]
+    seen["broadcast"] = (values, tuple(weight.shape))
 
     # --8<-- [start:guard]
     checked = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "enable_sanity_checks": True}}

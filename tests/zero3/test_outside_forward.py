@@ -15,6 +15,10 @@ GATHERED = "snippets/zero3/gathered_parameters.py"
 OUTSIDE = "snippets/zero3/soft_inputs_outside.py"
 WRAPPER = "snippets/zero3/soft_inputs_wrapper.py"
 PAGE = ROOT / "docs/zero3/outside-forward.md"
+GATHER_DEPRECATED = (
+    "`torch.distributed.all_gather_into_tensor` is deprecated. "
+    "Please use `torch.distributed.all_gather_single` instead."
+)
 GUARD = (
     "Detected in-place modification of ZeRO-3 parameters inside GatheredParameters with "
     "modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks."
@@ -53,6 +57,12 @@ def test_gathered_parameters(world_size, gathered_reference, expect_output):
         inside, after = got["lost"]
         assert inside == 0.0
         assert after == pytest.approx(weight.sum().item(), abs=1e-5)
+        # ...and nothing warns about it: the only Python warning or log record (WARNING and
+        # above) raised during the two blocks is torch's deprecation notice for the gather.
+        assert got["lost_warnings"] and set(got["lost_warnings"]) == {GATHER_DEPRECATED}, got["lost_warnings"]
+        # modifier_rank=0 keeps rank 0's change: each rank wrote its own rank number, and
+        # afterwards every rank holds rank 0's value (0.0), partitioned again.
+        assert got["broadcast"] == ([0.0], (0,))
         assert got["loss"] == pytest.approx(want_loss, abs=1e-6)
         assert_grads_equal(got["grads"], want_grads, f"rank {rank}")
         assert got["guard"] == GUARD
@@ -106,6 +116,11 @@ def test_page_shows_the_messages():
     page = PAGE.read_text()
     for message in ["mat2 must be a matrix", GUARD]:
         assert message in page, message
+    # The one warning recorded while a change is lost is named where the pages say so.
+    named = "`torch.distributed.all_gather_into_tensor` is deprecated"
+    assert GATHER_DEPRECATED.startswith(named)
+    for page_text in (page, (ROOT / "docs/zero3/troubleshooting.md").read_text()):
+        assert named in page_text
     # Output excerpts typed on the page (```text blocks that are not includes) are lines of
     # the output files the runs wrote.
     printed = output_file(GATHERED).read_text().splitlines()
