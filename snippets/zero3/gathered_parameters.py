@@ -4,7 +4,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/gathered_parameters.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
+import contextlib
 import logging
+import logging.handlers
 import warnings
 
 import deepspeed
@@ -47,26 +49,19 @@ def zero_with_modifier_rank_none(weight, rank):
 # --8<-- [end:lost]
 
 
-class RecordLogWarnings(logging.Handler):
-    """Collects log records of level WARNING and above (DeepSpeed's logger does not propagate)."""
-
+@contextlib.contextmanager
+def recorded_log_warnings():
+    """Keeps the log records of level WARNING and above (DeepSpeed's logger does not propagate)."""
+    handler = logging.handlers.BufferingHandler(capacity=10_000)
+    handler.setLevel(logging.WARNING)
     loggers = (logging.getLogger(), deepspeed.utils.logger)
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        for logger in self.loggers:
-            logger.addHandler(self)
-        return self.messages
-
-    def __exit__(self, *exc):
-        for logger in self.loggers:
-            logger.removeHandler(self)
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler.buffer
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def make_batch():
@@ -105,10 +100,10 @@ def main():
     seen["full"], seen["after"] = full, tuple(weight.shape)
 
     # Record every warning while the change is lost: Python's warnings and the log.
-    with warnings.catch_warnings(record=True) as caught, RecordLogWarnings() as logged:
+    with warnings.catch_warnings(record=True) as caught, recorded_log_warnings() as logged:
         warnings.simplefilter("always")
         seen["lost"] = zero_with_modifier_rank_none(weight, rank)
-    seen["lost_warnings"] = [str(warning.message) for warning in caught] + logged
+    seen["lost_warnings"] = [str(w.message) for w in caught] + [record.getMessage() for record in logged]
 
     # One training step: the run must equal plain PyTorch with the scaled weight.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
