@@ -1,28 +1,13 @@
 """The multi-rank runner: torchrun-style environment, per-rank results, fail fast, no leftovers."""
 
-import os
 from pathlib import Path
 
 import pytest
 
+from processes import alive
 from runner import SnippetFailed, run_snippet
 
 CASES = Path(__file__).parent / "runner_cases"
-
-
-def alive(pid):
-    """True if `pid`, or any process in its process group, still exists (zombies count as gone)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgid = fields[0], int(fields[2])
-        if (int(entry.name) == pid or pgid == pid) and state != "Z":
-            return True
-    return False
 
 
 def test_ranks_get_torchrun_environment_and_report_what_they_print():

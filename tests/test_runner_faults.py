@@ -18,26 +18,13 @@ from pathlib import Path
 import pytest
 
 import runner
+from processes import alive
 from runner import ROOT, SnippetFailed, run_snippet
 
 CASES = Path(__file__).parent / "runner_cases"
 GRACE = 3.0
 SLACK = 5.0  # seconds on top of the grace period or the timeout
 
-
-def alive(pid):
-    """True if `pid`, or any process in its process group, still exists (zombies count as gone)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgid = fields[0], int(fields[2])
-        if (int(entry.name) == pid or pgid == pid) and state != "Z":
-            return True
-    return False
 
 
 # case, timeout, the report's rank lines, the run's `errors`, whether it times out

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from examples import output_file
+from plain_pytorch import assert_same_training, train_in_one_process
 from runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/module_z3.py"
@@ -22,18 +23,12 @@ UPSTREAM_ERROR = "ModuleZ3.__init__() takes 1 positional argument but 2 were giv
 def train_without_deepspeed():
     example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
     torch.manual_seed(example["SEED"])
-    model = example["ModuleZ3"]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=example["LR"])
-    losses, grads = [], []
-    for step in range(example["STEPS"]):
-        inputs, targets = example["make_batch"](step)
-        loss = F.mse_loss(model(inputs), targets)
-        loss.backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    return train_in_one_process(
+        example["ModuleZ3"](),
+        (example["make_batch"](step) for step in range(example["STEPS"])),
+        F.mse_loss,
+        example["LR"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +36,12 @@ def reference():
     return train_without_deepspeed()
 
 
-def assert_equals_plain_pytorch(got, reference):
-    expected_losses, expected_grads = reference
-    assert got["losses"] == pytest.approx(expected_losses, abs=1e-6)
-    for step, (grads, want) in enumerate(zip(got["grads"], expected_grads, strict=True)):
-        assert grads.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero3_matches_plain_pytorch(world_size, reference, expect_output):
     result = run_snippet(SNIPPET, world_size, call="main").check()
     for rank in range(world_size):
         got = result.returned(rank)
-        assert_equals_plain_pytorch(got, reference)
+        assert_same_training(got, reference)
         # Outside forward the weight is empty; its real shape is in ds_shape.
         assert got["ds_shape"] == (8, 8)
         # What the page says DeepSpeed does with the registered weight.
@@ -85,7 +71,7 @@ def test_without_registration_deepspeed_detects_the_read(reference):
     assert not hasattr(example["ModuleZ3WithoutRegistration"](), "_external_params")
     result = run_snippet(SNIPPET, 2, call="main_without_registration").check()
     for rank in range(2):
-        assert_equals_plain_pytorch(result.returned(rank), reference)
+        assert_same_training(result.returned(rank), reference)
 
 
 def upstream_module_z3() -> str:

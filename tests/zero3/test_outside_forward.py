@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from examples import output_file
+from plain_pytorch import assert_same_training, train_in_one_process
 from runner import ROOT, run_snippet
 
 GATHERED = "snippets/zero3/gathered_parameters.py"
@@ -84,30 +85,21 @@ def test_soft_inputs_outside_forward_fails(expect_output):
 def train_wrapper_without_deepspeed():
     example = runpy.run_path(str(ROOT / WRAPPER), run_name="reference")
     torch.manual_seed(example["SEED"])
-    wrapped = example["SoftInputs"](example["Seq2Seq"]())
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=example["LR"])
-    losses, grads = [], []
-    for step in range(example["STEPS"]):
-        sampled_input, targets = example["make_batch"](step)
-        loss = F.cross_entropy(wrapped(sampled_input).reshape(-1, example["VOCAB"]), targets.reshape(-1))
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in wrapped.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    vocab = example["VOCAB"]
+    return train_in_one_process(
+        example["SoftInputs"](example["Seq2Seq"]()),
+        (example["make_batch"](step) for step in range(example["STEPS"])),
+        lambda logits, targets: F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1)),
+        example["LR"],
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_soft_inputs_in_a_wrapper_forward_match_plain_pytorch(world_size, expect_output):
-    want_losses, want_grads = train_wrapper_without_deepspeed()
+    reference = train_wrapper_without_deepspeed()
     result = run_snippet(WRAPPER, world_size, call="main").check()
     for rank in range(world_size):
-        got = result.returned(rank)
-        assert got["losses"] == pytest.approx(want_losses, abs=1e-6)
-        assert len(got["grads"]) == len(want_grads)
-        for step, (grads, want) in enumerate(zip(got["grads"], want_grads)):
-            assert_grads_equal(grads, want, f"rank {rank} step {step}")
+        assert_same_training(result.returned(rank), reference, f"rank {rank}")
     if world_size == 2:
         expect_output(result, output_file(WRAPPER))
 
