@@ -53,6 +53,11 @@ DEEPSPEED_NOISE = re.compile(
 PEER_WENT_AWAY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
 
 
+def printed_by_the_example(stdout: str) -> str:
+    """The lines of `stdout` that the example printed itself, without DeepSpeed's log lines."""
+    return "".join(line + "\n" for line in stdout.splitlines() if not DEEPSPEED_NOISE.match(line))
+
+
 class SnippetFailed(AssertionError):
     """A snippet run did not succeed; the message names the snippet, the rank and the cause."""
 
@@ -113,10 +118,7 @@ class RunResult:
     @property
     def output(self) -> str:
         """What the example printed: every rank's stdout in rank order, DeepSpeed's log lines left out."""
-        lines = []
-        for rank in self.ranks:
-            lines += [line for line in rank.stdout.splitlines() if not DEEPSPEED_NOISE.match(line)]
-        return "".join(line + "\n" for line in lines)
+        return "".join(printed_by_the_example(rank.stdout) for rank in self.ranks)
 
     @property
     def errors(self) -> list[str]:
