@@ -1,15 +1,16 @@
 """One rank process of a snippet run: started by `tests/runner.py`, never imported by tests.
 
     python tests/rank_main.py SNIPPET REPORT_FILE [FUNCTION]   # run one snippet, exit
-    python tests/rank_main.py --serve REPLY_FD                 # warm pool worker
+    python tests/rank_main.py --zygote CONTROL_FD              # forks warm pool workers
 
 One-shot: runs SNIPPET as `__main__` (exactly as `python SNIPPET` would), or,
 with FUNCTION, loads it as a module and calls that function with no arguments.
 Writes a pickled report (exception details, the function's return value) to
 REPORT_FILE and exits 0 on success, 1 when the snippet raised.
 
-Warm pool worker: imports torch and DeepSpeed once, then reads one JSON job per
-line on stdin ({"snippet", "report", "function", "stdout", "stderr", "env"}),
+Warm pool worker (forked by the zygote, which imported torch and DeepSpeed
+once for the whole test session): reads one JSON job per line on its job pipe
+({"snippet", "report", "function", "stdout", "stderr", "env"}),
 runs it like the one-shot mode with its stdout/stderr (file descriptors 1 and 2,
 so C-level output and DeepSpeed's logger too) sent to the job's files, puts
 back the state a fresh process would have, and answers `{"exit_code": N}` on
@@ -107,7 +108,7 @@ class FreshState:
         self.grad_enabled = torch.is_grad_enabled()
         self.num_threads = torch.get_num_threads()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.warnings = list(warnings.filters)
+        self.warnings = list(warnings.filters if FILTERS_OF_A_FRESH_PROCESS is None else FILTERS_OF_A_FRESH_PROCESS)
         # DeepSpeed keeps process groups, its comm backend and ZeRO bookkeeping in
         # module globals (deepspeed.comm.comm.cdb, deepspeed.utils.groups._WORLD_GROUP, ...).
         # Remember them as they are right after `import deepspeed`.
@@ -157,23 +158,67 @@ class FreshState:
         warnings.filters[:] = self.warnings
 
 
-def serve(reply_fd: int) -> int:
-    # Die with the test process, even if it is killed with no chance to clean up.
+# Imported once by a pool worker, before its first job. Only speed depends on this
+# list: torch and DeepSpeed import these lazily on first use (deepspeed.initialize
+# imports torch._dynamo and inductor through its optimizer check, ~3 s of CPU), and
+# a fresh process would import them just the same.
+WARM_IMPORTS = [
+    "torch", "deepspeed", "deepspeed.pipe", "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.zero.muon.muon_optimizer", "torch._dynamo", "torch._inductor.compile_fx",
+    "torch.distributed.pipelining", "torch.distributed.fsdp",
+]
+
+
+# The warning filters right after `import torch, deepspeed`: some lazily imported
+# modules add one (sympy: "once" for SymPyDeprecationWarning); a fresh process
+# starts without it, so every job does too.
+FILTERS_OF_A_FRESH_PROCESS = None
+
+
+def warm_up() -> None:
+    global FILTERS_OF_A_FRESH_PROCESS
+    import importlib
+
+    import deepspeed  # noqa: F401
+    import torch  # noqa: F401
+
+    FILTERS_OF_A_FRESH_PROCESS = list(warnings.filters)
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
+    settle_heap()
+
+
+def settle_heap() -> None:
+    """Collect garbage, then exempt what survives from later collections (gc.freeze).
+
+    DeepSpeed calls gc.collect() in every ZeRO-3 initialize; a full collection walks every
+    object torch and DeepSpeed created at import time (~0.27 s a call here). Frozen objects
+    are still alive and usable; they are only never scanned again.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def die_with_parent() -> None:
+    """Get SIGKILL when the parent process ends, even if it is killed with no chance to clean up."""
     import ctypes
     import signal
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    # Pay the imports once; every job after this starts warm.
-    import deepspeed  # noqa: F401
-    import torch  # noqa: F401
 
+
+def serve(jobs_fd: int, reply_fd: int) -> int:
+    """The warm pool worker's loop: one JSON job per line on `jobs_fd`, one answer per job on `reply_fd`."""
     measured = start_snippet_coverage()
     fresh = FreshState()
+    warnings.filters[:] = fresh.warnings
     saved_stdout, saved_stderr = os.dup(1), os.dup(2)
-    with os.fdopen(reply_fd, "w") as replies:
+    with os.fdopen(jobs_fd, "r") as jobs, os.fdopen(reply_fd, "w") as replies:
         replies.write(json.dumps({"ready": os.getpid()}) + "\n")
         replies.flush()
-        for line in sys.stdin:
+        for line in jobs:
             job = json.loads(line)
             os.environ.update(job["env"])
             out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -191,11 +236,73 @@ def serve(reply_fd: int) -> int:
             replies.flush()
             try:
                 fresh.restore()
+                settle_heap()
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.dup2(saved_stdout, 1)
                 os.dup2(saved_stderr, 2)
+    return 0
+
+
+def zygote(control_fd: int) -> int:
+    """Import torch and DeepSpeed once, then fork a warm pool worker per request.
+
+    Requests come on the SOCK_SEQPACKET socket `control_fd`: a JSON packet
+    {"env": {...}} carrying three file descriptors (the worker's job pipe, its
+    reply pipe, its log). The forked worker gets its own session (so the runner
+    can kill it with everything it starts), dies with this process, and runs
+    `serve`. This process answers {"started": PID} per request and
+    {"exited": PID, "code": C} (C negative: killed by that signal) when a worker
+    ends, so the runner sees exit codes as if the worker were its own child.
+    Starting a pool this way costs a fork, not a new interpreter's imports.
+    """
+    import select
+    import socket
+
+    die_with_parent()
+    warm_up()
+    control = socket.socket(fileno=control_fd)
+    running: set[int] = set()
+    while True:
+        ready, _, _ = select.select([control], [], [], 0.02)
+        if ready:
+            message, fds, _, _ = socket.recv_fds(control, 65536, 3)
+            if not message:  # the runner closed its end: the session is over
+                break
+            request = json.loads(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    control.close()
+                    os.setsid()
+                    die_with_parent()
+                    jobs_fd, reply_fd, log_fd = fds
+                    os.dup2(log_fd, 2)
+                    os.close(log_fd)
+                    devnull = os.open(os.devnull, os.O_RDWR)
+                    os.dup2(devnull, 0)
+                    os.dup2(devnull, 1)
+                    os.close(devnull)
+                    os.environ.update(request["env"])
+                    code = serve(jobs_fd, reply_fd)
+                except BaseException:  # noqa: BLE001 - report, then never return into the zygote's loop
+                    traceback.print_exc()
+                finally:
+                    sys.stderr.flush()
+                    os._exit(code)
+            for fd in fds:
+                os.close(fd)
+            running.add(pid)
+            control.send(json.dumps({"started": pid}).encode())
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                control.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
     return 0
 
 
@@ -215,8 +322,8 @@ def start_snippet_coverage():
 
 
 def main() -> int:
-    if sys.argv[1] == "--serve":
-        return serve(int(sys.argv[2]))
+    if sys.argv[1] == "--zygote":
+        return zygote(int(sys.argv[2]))
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
     measured = start_snippet_coverage()

@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -201,7 +202,7 @@ def resolve_snippet(snippet: str | os.PathLike) -> Path:
 
 def torchrun_environment(rank: int, world_size: int) -> dict[str, str]:
     """The variables torchrun sets for one local rank (MASTER_PORT is per run), plus the CPU accelerator."""
-    return {
+    environment = {
         "DS_ACCELERATOR": "cpu",
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -210,6 +211,11 @@ def torchrun_environment(rank: int, world_size: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "PYTHONUNBUFFERED": "1",
     }
+    if world_size > 1:
+        # Like torchrun: one OpenMP thread per rank unless the caller chose otherwise
+        # (more ranks than cores, each spinning several threads, is several times slower).
+        environment["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return environment
 
 
 def _wait_for_ranks(poll, world_size: int, deadline: float, grace: float):
@@ -293,36 +299,151 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                         started, timed_out, timeout, failed_first, failed_at, port)
 
 
+def process_exists(pid: int) -> bool:
+    """True while `pid` is a process that is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+class Zygote:
+    """One process that imported torch and DeepSpeed once and forks warm pool workers on request.
+
+    See `zygote` in rank_main.py. A pool (re)start costs a fork per rank instead of a new
+    interpreter importing torch, DeepSpeed and what they load lazily (~5 s of CPU each).
+    The zygote dies with the test process, and its workers die with it.
+    """
+
+    def __init__(self, environment: dict[str, str]):
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.log = tempfile.NamedTemporaryFile(prefix="rank-zygote-", suffix=".log", delete=False)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, str(RANK_MAIN), "--zygote", str(theirs.fileno())],
+                cwd=ROOT, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=self.log, pass_fds=[theirs.fileno()], start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        self.started: list[int] = []
+        self.exit_codes: dict[int, int] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _read_messages(self, wait: float = 0.0) -> None:
+        """Take in what the zygote reported (waiting up to `wait` seconds for the first message)."""
+        while select.select([self.control], [], [], wait)[0]:
+            message = self.control.recv(65536)
+            if not message:  # the zygote is gone
+                return
+            news = json.loads(message)
+            if "started" in news:
+                self.started.append(news["started"])
+            else:
+                self.exit_codes[news["exited"]] = news["code"]
+            wait = 0.0
+
+    def fork(self, environment: dict[str, str], jobs_fd: int, reply_fd: int, log_fd: int, deadline: float) -> int:
+        """A new worker with `environment` on top of the zygote's; returns its pid."""
+        socket.send_fds(self.control, [json.dumps({"env": environment}).encode()], [jobs_fd, reply_fd, log_fd])
+        while not self.started:
+            if not self.alive or time.monotonic() > deadline:
+                raise RuntimeError(f"the rank zygote did not fork a worker:\n{_tail(Path(self.log.name).read_text(errors='replace'))}")
+            self._read_messages(wait=0.05)
+        return self.started.pop(0)
+
+    def exit_code(self, pid: int) -> int | None:
+        """The worker's exit code (negative: killed by that signal), or None while it runs."""
+        self._read_messages()
+        if pid in self.exit_codes:
+            return self.exit_codes[pid]
+        if not self.alive and not process_exists(pid):  # it died with the zygote (PR_SET_PDEATHSIG)
+            return -signal.SIGKILL
+        return None
+
+    def close(self) -> None:
+        _kill_group(self.process)
+        self.control.close()
+        self.log.close()
+
+
+class ForkedWorker:
+    """A pool worker the zygote forked: what RankPool uses of subprocess.Popen (pid, stdin, poll, wait)."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin):
+        self.zygote, self.pid, self.stdin = zygote, pid, stdin
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            self.zygote._read_messages(wait=0.01)
+        return self.returncode
+
+
+_zygotes: dict[str | None, Zygote] = {}
+
+
+def zygote_for(omp_num_threads: str | None) -> Zygote:
+    """The session's zygote for this OpenMP thread count (read once, when torch is imported)."""
+    zygote = _zygotes.get(omp_num_threads)
+    if zygote is None or not zygote.alive:
+        if zygote is not None:
+            zygote.close()
+        environment = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+        environment.pop("OMP_NUM_THREADS", None)
+        if omp_num_threads is not None:
+            environment["OMP_NUM_THREADS"] = omp_num_threads
+        zygote = _zygotes[omp_num_threads] = Zygote(environment)
+    return zygote
+
+
+def close_zygotes() -> None:
+    while _zygotes:
+        _zygotes.popitem()[1].close()
+
+
 class RankPool:
     """`world_size` long-lived rank processes that have imported torch and DeepSpeed, reused run after run.
 
-    Each run gets a new MASTER_PORT, so the snippet's own init_distributed /
+    The workers are forked by the session's zygote, so they start warm. Each run
+    gets a new MASTER_PORT, so the snippet's own init_distributed /
     init_process_group builds a new process group; afterwards the worker
     destroys what is left and restores the state of a fresh process (see
     FreshState in rank_main.py). A run that fails or times out kills the whole
-    pool; the next run starts a new one.
+    pool; the next run forks a new one.
     """
 
     def __init__(self, world_size: int, startup_timeout: float = 180.0):
         self.world_size = world_size
-        self.workers: list[subprocess.Popen] = []
+        self.workers: list[ForkedWorker] = []
         self.replies: list[int] = []
         self.buffers: list[bytes] = []
         self.log = tempfile.NamedTemporaryFile(prefix=f"rank-pool-{world_size}-", suffix=".log", delete=False)
         try:
-            for rank in range(world_size):
-                read_fd, write_fd = os.pipe()
-                env = {**os.environ, **torchrun_environment(rank, world_size)}
-                self.workers.append(subprocess.Popen(
-                    [sys.executable, str(RANK_MAIN), "--serve", str(write_fd)],
-                    cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                    stderr=self.log, pass_fds=[write_fd], start_new_session=True,
-                ))
-                os.close(write_fd)
-                os.set_blocking(read_fd, False)
-                self.replies.append(read_fd)
-                self.buffers.append(b"")
             deadline = time.monotonic() + startup_timeout
+            for rank in range(world_size):
+                environment = torchrun_environment(rank, world_size)
+                zygote = zygote_for(environment.get("OMP_NUM_THREADS"))
+                jobs_read, jobs_write = os.pipe()
+                reply_read, reply_write = os.pipe()
+                try:
+                    pid = zygote.fork(environment, jobs_read, reply_write, self.log.fileno(), deadline)
+                finally:
+                    os.close(jobs_read)
+                    os.close(reply_write)
+                os.set_blocking(reply_read, False)
+                self.replies.append(reply_read)
+                self.buffers.append(b"")
+                self.workers.append(ForkedWorker(zygote, pid, os.fdopen(jobs_write, "wb")))
             for rank in range(world_size):
                 while self._reply(rank) is None:
                     if self.workers[rank].poll() is not None or time.monotonic() > deadline:
@@ -410,7 +531,8 @@ def close_pools() -> None:
         _pools.popitem()[1].close()
 
 
-atexit.register(close_pools)
+atexit.register(close_zygotes)
+atexit.register(close_pools)  # atexit runs the last registered first: pools, then zygotes
 
 
 def warm_pool(world_size: int) -> RankPool:
