@@ -105,7 +105,18 @@ def project_copy(tmp_path):
     return copy
 
 
-def test_missing_snippet_section_fails_the_build(project_copy, tmp_path):
+@pytest.fixture
+def project_copy_without_notebook_runs(project_copy):
+    """A copy whose build does not execute the notebook: 4 s instead of 17 s, for tests about snippet includes."""
+    config = project_copy / "mkdocs.yml"
+    text, count = re.subn(r"^(\s+execute:) true\b", r"\1 false", config.read_text(), flags=re.M)
+    assert count == 1, "mkdocs.yml no longer has mkdocs-jupyter's `execute: true`"
+    config.write_text(text)
+    return project_copy
+
+
+def test_missing_snippet_section_fails_the_build(project_copy_without_notebook_runs, tmp_path):
+    project_copy = project_copy_without_notebook_runs
     snippet = project_copy / "snippets" / "zero3" / "language_model.py"
     text = snippet.read_text()
     assert "# --8<-- [start:model]\n" in text
@@ -115,7 +126,8 @@ def test_missing_snippet_section_fails_the_build(project_copy, tmp_path):
     assert "Snippet section 'model' could not be located" in result.stderr, result.stderr
 
 
-def test_missing_snippet_file_fails_the_build(project_copy, tmp_path):
+def test_missing_snippet_file_fails_the_build(project_copy_without_notebook_runs, tmp_path):
+    project_copy = project_copy_without_notebook_runs
     (project_copy / "snippets" / "zero3" / "language_model.out").unlink()
     result = build(project_copy, tmp_path / "site")
     assert result.returncode != 0
