@@ -406,6 +406,11 @@ def zygote_for(omp_num_threads: str | None) -> Zygote:
     return zygote
 
 
+def zygote_pids() -> list[int]:
+    """The pids of this session's zygotes (they end with the session)."""
+    return [zygote.process.pid for zygote in _zygotes.values() if zygote.alive]
+
+
 def close_zygotes() -> None:
     while _zygotes:
         _zygotes.popitem()[1].close()

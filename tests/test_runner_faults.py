@@ -1,7 +1,8 @@
 """Fault injection: every way a rank can fail ends the run promptly, says who failed and why, and leaves nothing running.
 
-Each case is a purpose-made script in tests/runner_cases/, run in the warm pool and in
-fresh processes. For each: the run ends within a bound (the grace period or the timeout,
+Each case is a purpose-made script in tests/runner_cases/, run in the warm pool, and the
+cases where fresh processes take another code path (killing, timing out, exit codes and
+signals seen by subprocess) in fresh processes too. For each: the run ends within a bound (the grace period or the timeout,
 plus a few seconds), the report names the snippet, the ranks and the cause, and no process
 the run started is alive afterwards (checked by process id and process group).
 """
@@ -22,12 +23,13 @@ from processes import alive
 from runner import ROOT, SnippetFailed, run_snippet
 
 CASES = Path(__file__).parent / "runner_cases"
-GRACE = 3.0
+GRACE = 1.0  # the default is 3 s; the bounds below are stated relative to it
 SLACK = 5.0  # seconds on top of the grace period or the timeout
 
 
 
 # case, timeout, the report's rank lines, the run's `errors`, whether it times out
+# (the ids of cases also run in fresh processes are in ALSO_FRESH)
 FAULTS = [
     pytest.param(
         "raise_before_collective", 60,
@@ -38,7 +40,7 @@ FAULTS = [
         ["rank 1: ValueError: rank 1 gave up"],
         ["ValueError: rank 1 gave up"], False, id="raises-while-others-wait-in-a-collective"),
     pytest.param(
-        "hang_on_rank1", 4,
+        "hang_on_rank1", 2,
         ["rank 0: killed by the runner", "rank 1: killed by the runner"],
         [], True, id="hangs-forever"),
     pytest.param(
@@ -57,8 +59,14 @@ FAULTS = [
 ]
 
 
-@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
-@pytest.mark.parametrize("case, timeout, rank_lines, errors, times_out", FAULTS)
+ALSO_FRESH = {"raises-while-others-wait-in-a-collective", "hangs-forever", "exits-abruptly", "killed-by-a-signal"}
+FAULTS_AND_MODES = [
+    pytest.param(*fault.values, fresh, id=f"{fault.id}-{'fresh' if fresh else 'pool'}")
+    for fault in FAULTS for fresh in (False, True) if not fresh or fault.id in ALSO_FRESH
+]
+
+
+@pytest.mark.parametrize("case, timeout, rank_lines, errors, times_out, fresh", FAULTS_AND_MODES)
 def test_fault_ends_the_run_and_names_rank_and_cause(case, timeout, rank_lines, errors, times_out, fresh):
     result = run_snippet(CASES / f"{case}.py", world_size=2, timeout=timeout, grace=GRACE, fresh=fresh)
     assert not result.ok
@@ -85,7 +93,7 @@ def test_fault_ends_the_run_and_names_rank_and_cause(case, timeout, rank_lines, 
 
 
 def test_children_of_a_hung_rank_die_with_it():
-    result = run_snippet(CASES / "hang_with_child.py", world_size=2, timeout=4)
+    result = run_snippet(CASES / "hang_with_child.py", world_size=2, timeout=2)
     assert result.timed_out
     children = [int(pid) for pid in re.findall(r"^child (\d+)$", result.output, re.M)]
     assert len(children) == 2
@@ -108,11 +116,10 @@ def taken_port():
         yield listener.getsockname()[1]
 
 
-@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
-def test_a_taken_port_is_retried_once_with_another(taken_port, monkeypatch, fresh):
+def test_a_taken_port_is_retried_once_with_another(taken_port, monkeypatch):
     ports = iter([taken_port, runner.free_port()])
     monkeypatch.setattr(runner, "free_port", lambda: next(ports))
-    result = run_snippet(CASES / "hello.py", world_size=2, fresh=fresh).check()
+    result = run_snippet(CASES / "hello.py", world_size=2, grace=GRACE).check()
     assert result.port != taken_port
     assert "EADDRINUSE" in result.retried_because and "rank 0: DistNetworkError" in result.retried_because
     runner.close_pools()
@@ -130,44 +137,63 @@ def test_a_port_that_stays_taken_is_a_clear_error(taken_port, monkeypatch):
     assert not any(alive(rank.pid) for rank in result.ranks)
 
 
-# A test session in miniature: run hello.py in the warm pool, print the port, the pool's pids and the output.
+# A test session in miniature: run hello.py in the warm pool, print the port, the pids of the
+# processes the session started for it (pool ranks and the zygote that forked them) and the
+# output, then wait until its stdin closes.
 SESSION = (
-    "import sys; sys.path.insert(0, 'tests'); from runner import run_snippet;"
-    "r = run_snippet('tests/runner_cases/hello.py', world_size=2).check();"
-    "print(r.port); print(*[rank.pid for rank in r.ranks]); print(r.output, end='', flush=True);"
-    "sys.stdin.read() if len(sys.argv) > 1 else None"
+    "import sys; sys.path.insert(0, 'tests'); import runner;"
+    "r = runner.run_snippet('tests/runner_cases/hello.py', world_size=2).check();"
+    "print(r.port); print(*[rank.pid for rank in r.ranks], *runner.zygote_pids());"
+    "print(r.output, end='', flush=True); sys.stdin.read()"
 )
 
 
-def test_two_test_runs_at_the_same_time():
-    runs = [subprocess.Popen([sys.executable, "-c", SESSION], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [run.communicate(timeout=180)[0] for run in runs]
-    assert [run.returncode for run in runs] == [0, 0]
-    ports = [out.splitlines()[0] for out in outputs]
-    assert ports[0] != ports[1]
-    for out in outputs:
-        assert out.splitlines()[2:] == ["[rank 0] world 2 local 0 sum 3", "[rank 1] world 2 local 1 sum 3"]
-    time.sleep(0.5)
-    pool_pids = [int(pid) for out in outputs for pid in out.splitlines()[1].split()]
-    assert len(set(pool_pids)) == 4  # each run had its own pool, and each pool ended with its session
-    assert not any(alive(pid) for pid in pool_pids)
-
-
-def test_pool_ranks_die_when_the_test_process_is_killed_outright():
-    session = subprocess.Popen([sys.executable, "-c", SESSION, "wait"], cwd=ROOT,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def two_sessions():
+    """Two such sessions running at the same time: [(process, port, pids, output lines)]."""
+    processes = [subprocess.Popen([sys.executable, "-c", SESSION], cwd=ROOT, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        session.stdout.readline()
-        pool_pids = [int(pid) for pid in session.stdout.readline().split()]
-        assert len(pool_pids) == 2 and all(alive(pid) for pid in pool_pids)
-        session.kill()  # SIGKILL: no atexit, no finally
-        session.wait(timeout=30)
+        sessions = []
+        for process in processes:
+            port = int(process.stdout.readline())
+            pids = [int(pid) for pid in process.stdout.readline().split()]
+            sessions.append((process, port, pids, [process.stdout.readline().rstrip("\n") for _ in range(2)]))
+        yield sessions
     finally:
-        session.kill()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pool_pids) and time.monotonic() < deadline:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def wait_until_gone(pids, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(alive(pid) for pid in pool_pids)
+    return not any(alive(pid) for pid in pids)
+
+
+def test_two_test_runs_at_the_same_time(two_sessions):
+    (first, first_port, first_pids, first_output), (second, second_port, second_pids, second_output) = two_sessions
+    assert first_port != second_port
+    for output in (first_output, second_output):
+        assert output == ["[rank 0] world 2 local 0 sum 3", "[rank 1] world 2 local 1 sum 3"]
+    assert len(first_pids) == len(second_pids) == 3  # two ranks and a zygote each
+    assert not set(first_pids) & set(second_pids)  # each run had its own pool
+    assert all(alive(pid) for pid in first_pids)
+    first.stdin.close()  # the first session ends normally
+    assert first.wait(timeout=30) == 0
+    assert wait_until_gone(first_pids)  # its pool and zygote ended with it
+    if second.poll() is None:  # (unless the test below, run first by --order, killed it)
+        assert all(alive(pid) for pid in second_pids)  # the other session's did not
+
+
+def test_pool_ranks_die_when_the_test_process_is_killed_outright(two_sessions):
+    session, _, pids, _ = two_sessions[1]
+    assert all(alive(pid) for pid in pids)
+    session.kill()  # SIGKILL: no atexit, no finally
+    session.wait(timeout=30)
+    assert wait_until_gone(pids)
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
