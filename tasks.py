@@ -3,6 +3,10 @@
 
     python3 tasks.py serve [mkdocs serve options]   build and serve the site locally
     python3 tasks.py test  [pytest options]         run the whole test suite
+    python3 tasks.py test --quick [pytest options]  only the examples and pages (no `slow` tests)
+
+`test` runs pytest on both cores (pytest-xdist: -n 2, a test file's tests on one
+worker); pass -n 0 to run in one process.
 
 Both create (or reuse) the virtual environment `.venv/` and install exactly the
 versions in `constraints.txt`. Standard library only: this file runs before
@@ -133,7 +137,24 @@ def main(argv: list[str]) -> int:
                 address = rest[i + 1]
         print(f"Serving the site on http://{address}/  (Ctrl-C stops)", flush=True)
         return run_in_venv("-m", "mkdocs", "serve", *rest)
-    return run_in_venv("-m", "pytest", *rest)
+    return run_in_venv("-m", "pytest", *pytest_arguments(rest))
+
+
+def pytest_arguments(rest: list[str]) -> list[str]:
+    """`rest` with --quick turned into a marker expression and two workers unless -n was given."""
+    arguments = []
+    for arg in rest:
+        if arg == "--quick":
+            arguments += ["-m", "not slow"]
+        else:
+            arguments.append(arg)
+    chose_workers = any(arg in {"-n", "--numprocesses"} or arg.startswith(("-n", "--numprocesses="))
+                        for arg in arguments)
+    if not chose_workers:
+        # Both cores of this machine; a file's tests stay on one worker, so its module
+        # fixtures are set up once (the workers share one site build: tests/test_site.py).
+        arguments = ["-n", "2", "--dist", "loadfile", *arguments]
+    return arguments
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,21 @@ def pytest_configure(config):
     name, _, seed = order.partition(":")
     if order not in ("declared", "reverse") and name != "random":
         raise pytest.UsageError(f"--order takes declared, reverse or random[:SEED], not {order!r}")
-    config.order_seed = (int(seed) if seed else random.randrange(10**6)) if name == "random" else None
+    if name == "random" and not seed:
+        # Chosen once: pytest-xdist workers start after this and inherit it, and must all
+        # collect the tests in the same order.
+        seed = os.environ.setdefault("TEST_ORDER_SEED", str(random.randrange(10**6)))
+    config.order_seed = int(seed) if name == "random" else None
+    if not hasattr(config, "workerinput"):
+        # One strict build of the site per test session, shared by the pytest-xdist
+        # workers (tests/test_site.py, strict_build).
+        config.site_build_dir = tempfile.mkdtemp(prefix="site-build-")
+        os.environ["SITE_BUILD_DIR"] = config.site_build_dir
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "site_build_dir"):
+        shutil.rmtree(config.site_build_dir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,7 +3,8 @@
 An example line that no run executes is an untested claim, so the whole suite fails
 when one is left (FastAPI gates its docs_src/ the same way). Coverage is measured inside
 the rank processes (tests/rank_main.py), not in the test process. The gate is on when the
-whole suite runs (`pytest` with no paths and no -k/-m, as `python3 tasks.py test` does),
+whole suite runs (`pytest` with no paths and no -k, and no -m other than `not slow`, as
+`python3 tasks.py test` and `python3 tasks.py test --quick` do),
 and can be forced on or off with --snippet-coverage / --no-snippet-coverage. Exclude a
 line only with `# pragma: no cover` and a comment saying why (e.g. a GPU-only branch).
 """
@@ -27,15 +28,23 @@ def pytest_addoption(parser):
                     help="do not measure snippet coverage")
 
 
+# The marker expressions that still run every example: the whole suite, and --quick.
+EVERY_EXAMPLE = {"", "not slow"}
+
+
 def gate_is_on(config) -> bool:
     chosen = config.getoption("snippet_coverage")
     if chosen is not None:
         return chosen
     whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
-    return whole_suite and not config.getoption("keyword") and not config.getoption("markexpr")
+    return whole_suite and not config.getoption("keyword") and config.getoption("markexpr") in EVERY_EXAMPLE
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # A pytest-xdist worker: its ranks write to the directory the main process chose
+        # (SNIPPET_COVERAGE_DATA, inherited); the main process checks the gate at the end.
+        return
     if not gate_is_on(config):
         return
     config.snippet_coverage_dir = tempfile.mkdtemp(prefix="snippet-coverage-")

@@ -12,6 +12,8 @@ import pytest
 
 from runner import ROOT
 
+pytestmark = pytest.mark.slow  # two plain-python runs of whole examples, for the messages a reader sees
+
 TORCHRUN_VARIABLES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 

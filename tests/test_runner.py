@@ -7,6 +7,8 @@ import pytest
 from processes import alive
 from runner import SnippetFailed, run_snippet
 
+pytestmark = pytest.mark.slow  # checks of the runner, not of an example
+
 CASES = Path(__file__).parent / "runner_cases"
 
 

@@ -22,6 +22,8 @@ import runner
 from processes import alive
 from runner import ROOT, SnippetFailed, run_snippet
 
+pytestmark = pytest.mark.slow  # checks of the runner, not of an example
+
 CASES = Path(__file__).parent / "runner_cases"
 GRACE = 1.0  # the default is 3 s; the bounds below are stated relative to it
 SLACK = 5.0  # seconds on top of the grace period or the timeout

@@ -6,7 +6,9 @@ which starts a real 2-rank run); tests/site/ reuses it through `strict_build()`.
 """
 
 import atexit
+import fcntl
 import functools
+import json
 import os
 import re
 import shutil
@@ -34,13 +36,29 @@ def build(project_dir, site_dir, **env):
 
 @functools.cache
 def strict_build():
-    """Build the real project once per session: (the finished process, the site directory)."""
-    site = Path(tempfile.mkdtemp(prefix="site-")) / "site"
-    atexit.register(shutil.rmtree, site.parent, ignore_errors=True)
-    # Served at the root of a local server by the browser tests, whatever SITE_URL the
-    # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
-    return build(ROOT, site, SITE_URL="http://127.0.0.1:8000/",
-                 EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/"), site
+    """Build the real project once per session: (the finished process, the site directory).
+
+    The test session's workers share one build in SITE_BUILD_DIR (tests/conftest.py): the
+    first to get there builds, under a file lock, and the others read its record.
+    """
+    shared = os.environ.get("SITE_BUILD_DIR")
+    if shared:
+        base = Path(shared)
+    else:  # imported outside a test session
+        base = Path(tempfile.mkdtemp(prefix="site-"))
+        atexit.register(shutil.rmtree, base, ignore_errors=True)
+    site, record = base / "site", base / "build.json"
+    with open(base / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            # Served at the root of a local server by the browser tests, whatever SITE_URL the
+            # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
+            done = build(ROOT, site, SITE_URL="http://127.0.0.1:8000/",
+                         EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/")
+            record.write_text(json.dumps({"args": done.args, "returncode": done.returncode,
+                                          "stdout": done.stdout, "stderr": done.stderr}))
+        done = subprocess.CompletedProcess(**json.loads(record.read_text()))
+    return done, site
 
 
 def built_pages(site):
@@ -115,6 +133,7 @@ def project_copy_without_notebook_runs(project_copy):
     return project_copy
 
 
+@pytest.mark.slow  # a second build, of a broken copy
 def test_missing_snippet_section_fails_the_build(project_copy_without_notebook_runs, tmp_path):
     project_copy = project_copy_without_notebook_runs
     snippet = project_copy / "snippets" / "zero3" / "language_model.py"
@@ -126,6 +145,7 @@ def test_missing_snippet_section_fails_the_build(project_copy_without_notebook_r
     assert "Snippet section 'model' could not be located" in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # a second build, of a broken copy
 def test_missing_snippet_file_fails_the_build(project_copy_without_notebook_runs, tmp_path):
     project_copy = project_copy_without_notebook_runs
     (project_copy / "snippets" / "zero3" / "language_model.out").unlink()
@@ -134,6 +154,7 @@ def test_missing_snippet_file_fails_the_build(project_copy_without_notebook_runs
     assert "language_model.out" in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # a second build, of a broken copy
 def test_failing_notebook_cell_fails_the_build(project_copy, tmp_path):
     notebook = project_copy / NOTEBOOK
     text = notebook.read_text()

@@ -18,6 +18,8 @@ import pytest
 
 from runner import ROOT
 
+pytestmark = pytest.mark.slow  # a real Chromium
+
 DOCS = ROOT / "docs"
 SNIPPET_INCLUDE = re.compile(r'^\s*--8<-- "(snippets/[^"]+)"$', re.MULTILINE)
 

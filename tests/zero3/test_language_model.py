@@ -43,6 +43,7 @@ def test_zero3_matches_plain_pytorch(world_size, reference, expect_output):
     expect_output(result, output_file(SNIPPET))
 
 
+@pytest.mark.slow  # torchrun and two new interpreters: what the pool saves everywhere else
 def test_documented_torchrun_command_prints_the_output_file():
     """The command on the page, run for real: torchrun, 2 CPU processes."""
     command = ["torchrun", "--nproc_per_node", "2", SNIPPET]
