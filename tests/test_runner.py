@@ -28,22 +28,21 @@ def test_missing_snippet_is_a_clear_error():
         run_snippet("snippets/does_not_exist.py")
 
 
-def test_the_pool_reuses_warm_ranks_and_fresh_runs_do_not():
+def test_the_pool_reuses_warm_ranks():
     first = run_snippet(CASES / "hello.py", world_size=2).check()
     second = run_snippet(CASES / "hello.py", world_size=2).check()
     assert [r.pid for r in first.ranks] == [r.pid for r in second.ranks]
-    cold = run_snippet(CASES / "hello.py", world_size=2, fresh=True).check()
-    assert cold.output == second.output
-    assert not {r.pid for r in cold.ranks} & {r.pid for r in second.ranks}
-    assert not any(alive(rank.pid) for rank in cold.ranks)
+    assert second.output == first.output == "[rank 0] world 2 local 0 sum 3\n[rank 1] world 2 local 1 sum 3\n"
 
 
 def test_a_snippet_that_leaves_state_behind_does_not_change_the_next_one():
     in_fresh_processes = run_snippet(CASES / "probe_state.py", world_size=2, fresh=True).check()
     assert "partitioned weight shape: (0,) full: (4, 4)" in in_fresh_processes.output
     assert "sibling counter: 0" in in_fresh_processes.output
+    assert not any(alive(rank.pid) for rank in in_fresh_processes.ranks)  # fresh processes end with their run
     polluter = run_snippet(CASES / "leave_state_behind.py", world_size=2).check()
     assert polluter.output == "left state behind\n" * 2
+    assert not {r.pid for r in in_fresh_processes.ranks} & {r.pid for r in polluter.ranks}
     after_polluter = run_snippet(CASES / "probe_state.py", world_size=2).check()
     assert [r.pid for r in after_polluter.ranks] == [r.pid for r in polluter.ranks]  # same warm workers
     assert after_polluter.output == in_fresh_processes.output
