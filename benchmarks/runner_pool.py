@@ -3,11 +3,12 @@
     .venv/bin/python benchmarks/runner_pool.py [--cold-runs 5] [--warm-runs 20] [--skip-suite]
 
 Measures, in one run, on the same trivial 2-rank snippet (tests/runner_cases/hello.py):
-cold (new processes per run, like torchrun) vs warm pool time per snippet, the slope
-of pool time per added snippet, and the wall time of the whole test suite. Prints a
-table of medians. Not part of the test suite: timings belong here, not in asserts.
-Targets: warm median <= 0.5 s and >= 20x faster than cold; suite < 60 s on a warm
-machine (after DeepSpeed's one-time op build).
+cold (new processes per run, like torchrun) vs warm pool time per snippet, a run right
+after a failed one (the pool is rebuilt: forked from the zygote), the slope of pool
+time per added snippet, and the wall time of the test suite, whole and --quick, run
+as `python3 tasks.py test` runs it. Prints a table of medians. Not part of the test
+suite: timings belong here, not in asserts. Targets: warm median <= 0.5 s and >= 20x
+faster than cold; suite < 60 s on a warm machine (after DeepSpeed's one-time op build).
 """
 
 from __future__ import annotations
@@ -21,10 +22,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
 from runner import close_pools, run_snippet  # noqa: E402
+from tasks import environment, pytest_arguments  # noqa: E402
 
 SNIPPET = ROOT / "tests" / "runner_cases" / "hello.py"
+FAILING = ROOT / "tests" / "runner_cases" / "raise_on_rank1.py"
+
+
+def timed_suite(*options: str) -> tuple[float, str]:
+    """Wall seconds of the suite run as `python3 tasks.py test [options]` runs it, and pytest's summary line."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_arguments(list(options))],
+                          cwd=ROOT, env=environment(), capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    lines = done.stdout.strip().splitlines()
+    return seconds, (lines[-1].strip("= ") if lines else "(no output)")
 
 
 def timed_run(**options) -> float:
@@ -55,6 +69,11 @@ def main() -> int:
     pool_start = time.perf_counter() - started
     warm = [timed_run() for _ in range(args.warm_runs)]
 
+    after_failure = []
+    for _ in range(5):
+        assert not run_snippet(FAILING, world_size=2, grace=1).ok  # kills the pool
+        after_failure.append(timed_run())
+
     points = []
     for count in (1, 5, 10, 20):
         started = time.perf_counter()
@@ -63,13 +82,10 @@ def main() -> int:
         points.append((count, time.perf_counter() - started))
     close_pools()
 
-    suite = None
+    suites = []
     if not args.skip_suite:
-        started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
-                              capture_output=True, text=True)
-        suite = time.perf_counter() - started
-        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "(no output)"
+        suites.append(("whole test suite (wall)", *timed_suite()))
+        suites.append(("suite --quick: examples and pages", *timed_suite("--quick")))
 
     cold_median, warm_median = statistics.median(cold), statistics.median(warm)
     rows = [
@@ -77,10 +93,12 @@ def main() -> int:
         ("pool start (once per session)", f"{pool_start:.2f} s", "1 run"),
         ("warm run, pool (median)", f"{warm_median:.3f} s", f"{args.warm_runs} runs"),
         ("cold / warm", f"{cold_median / warm_median:.0f}x", "target >= 20x"),
+        ("run after a failed run (median)", f"{statistics.median(after_failure):.2f} s",
+         "5 runs; the pool is forked anew from the zygote"),
         ("pool slope per added snippet", f"{slope(points):.3f} s", f"fit over {[n for n, _ in points]} snippets"),
     ]
-    if suite is not None:
-        rows.append(("whole test suite (wall)", f"{suite:.1f} s", summary))
+    for name, seconds, summary in suites:
+        rows.append((name, f"{seconds:.1f} s", summary))
     width = max(len(name) for name, _, _ in rows)
     print(f"{'measure'.ljust(width)}  {'value':>9}  note")
     for name, value, note in rows:
