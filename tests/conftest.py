@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -22,7 +23,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--order",
         default="declared",
-        help="test order: declared, reverse, or random[:SEED] (proves runs in the warm pool are independent)",
+        help="test order: declared (the tests that read the site build last), reverse, or random[:SEED] "
+             "(proves runs in the warm pool are independent)",
     )
 
 
@@ -45,7 +47,17 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if hasattr(config, "site_build_dir"):
+        builder = Path(config.site_build_dir) / "builder.pid"
+        if builder.exists():  # a background build still running when the session ends
+            try:
+                os.killpg(int(builder.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         shutil.rmtree(config.site_build_dir, ignore_errors=True)
+
+
+def reads_the_site_build(item) -> bool:
+    return Path(str(item.fspath)).name == "test_site.py" or "site_dir" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,6 +65,18 @@ def pytest_collection_modifyitems(config, items):
         items.reverse()
     elif config.order_seed is not None:
         random.Random(config.order_seed).shuffle(items)
+    else:
+        # The tests that read the site build go last: the build starts in the background
+        # when collection ends (pytest_collection_finish) and is done by the time they run.
+        items.sort(key=reads_the_site_build)  # stable: the declared order otherwise
+
+
+def pytest_collection_finish(session):
+    """Start the strict site build now if a selected test reads it (see start_strict_build)."""
+    if os.environ.get("SITE_BUILD_DIR") and any(reads_the_site_build(item) for item in session.items):
+        from test_site import start_strict_build
+
+        start_strict_build()
 
 
 def pytest_report_header(config):

@@ -34,31 +34,76 @@ def build(project_dir, site_dir, **env):
     )
 
 
-@functools.cache
-def strict_build():
-    """Build the real project once per session: (the finished process, the site directory).
-
-    The test session's workers share one build in SITE_BUILD_DIR (tests/conftest.py): the
-    first to get there builds, under a file lock, and the others read its record.
-    """
+def build_base() -> Path:
+    """Where the session's strict build goes: SITE_BUILD_DIR (tests/conftest.py), shared by its workers."""
     shared = os.environ.get("SITE_BUILD_DIR")
     if shared:
-        base = Path(shared)
-    else:  # imported outside a test session
-        base = Path(tempfile.mkdtemp(prefix="site-"))
-        atexit.register(shutil.rmtree, base, ignore_errors=True)
-    site, record = base / "site", base / "build.json"
+        return Path(shared)
+    base = Path(tempfile.mkdtemp(prefix="site-"))  # imported outside a test session
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
+    os.environ["SITE_BUILD_DIR"] = str(base)
+    return base
+
+
+def record_strict_build(base: Path) -> None:
+    """Build the real project into base/site and keep the finished process in base/build.json."""
+    # Served at the root of a local server by the browser tests, whatever SITE_URL the
+    # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
+    done = build(ROOT, base / "site", SITE_URL="http://127.0.0.1:8000/",
+                 EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/")
+    (base / "build.json").write_text(json.dumps(
+        {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}))
+
+
+def start_strict_build() -> None:
+    """Start the session's strict build in the background, unless it has started already.
+
+    tests/conftest.py calls this as soon as the tests are collected, so the build (17 s:
+    it executes the notebook) overlaps other tests instead of holding up the first test
+    that needs it. The builder inherits the build lock and holds it until it is done.
+    """
+    base = build_base()
+    try:
+        os.close(os.open(base / "build.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    with open(base / "build.lock", "w") as lock, open(base / "builder.log", "w") as log:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        builder = subprocess.Popen(
+            [sys.executable, "-c", BUILDER, str(base)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, pass_fds=[lock.fileno()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
+        )
+    # The session kills the builder's process group if it ends before the build does (conftest.py).
+    (base / "builder.pid").write_text(str(builder.pid))
+
+
+# The background builder: holds the inherited lock until it exits; builds unless a caller of
+# strict_build got there first.
+BUILDER = """
+import sys
+from pathlib import Path
+import test_site
+base = Path(sys.argv[1])
+if not (base / "build.json").exists():
+    test_site.record_strict_build(base)
+"""
+
+
+@functools.cache
+def strict_build():
+    """The session's strict build of the real project: (the finished process, the site directory).
+
+    Built once per session, by start_strict_build's builder or by the first caller, under a
+    file lock; every caller reads the same record.
+    """
+    base = build_base()
     with open(base / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not record.exists():
-            # Served at the root of a local server by the browser tests, whatever SITE_URL the
-            # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
-            done = build(ROOT, site, SITE_URL="http://127.0.0.1:8000/",
-                         EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/")
-            record.write_text(json.dumps({"args": done.args, "returncode": done.returncode,
-                                          "stdout": done.stdout, "stderr": done.stderr}))
-        done = subprocess.CompletedProcess(**json.loads(record.read_text()))
-    return done, site
+        if not (base / "build.json").exists():
+            record_strict_build(base)
+        done = subprocess.CompletedProcess(**json.loads((base / "build.json").read_text()))
+    return done, base / "site"
 
 
 def built_pages(site):
