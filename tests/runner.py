@@ -369,6 +369,7 @@ class Zygote:
         _kill_group(self.process)
         self.control.close()
         self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 class ForkedWorker:
@@ -526,6 +527,7 @@ class RankPool:
             os.close(fd)
         self.replies = []
         self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 _pools: dict[int, RankPool] = {}
