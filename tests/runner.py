@@ -413,6 +413,7 @@ def zygote_pids() -> list[int]:
 
 
 def close_zygotes() -> None:
+    close_pools()  # their workers report to a zygote
     while _zygotes:
         _zygotes.popitem()[1].close()
 
@@ -443,6 +444,10 @@ class RankPool:
                 reply_read, reply_write = os.pipe()
                 try:
                     pid = zygote.fork(environment, jobs_read, reply_write, self.log.fileno(), deadline)
+                except BaseException:
+                    os.close(jobs_write)
+                    os.close(reply_read)
+                    raise
                 finally:
                     os.close(jobs_read)
                     os.close(reply_write)
@@ -538,8 +543,7 @@ def close_pools() -> None:
         _pools.popitem()[1].close()
 
 
-atexit.register(close_zygotes)
-atexit.register(close_pools)  # atexit runs the last registered first: pools, then zygotes
+atexit.register(close_zygotes)  # the pools first, then the zygotes that forked them
 
 
 def warm_pool(world_size: int) -> RankPool:
