@@ -95,7 +95,7 @@ def main() -> int:
         ("cold / warm", f"{cold_median / warm_median:.0f}x", "target >= 20x"),
         ("run after a failed run (median)", f"{statistics.median(after_failure):.2f} s",
          "5 runs; the pool is forked anew from the zygote"),
-        ("pool slope per added snippet", f"{slope(points):.3f} s", f"fit over {[n for n, _ in points]} snippets"),
+        ("pool slope per added snippet", f"{slope(points):.3f} s", "fit over " + ", ".join(f"{n} in {t:.2f} s" for n, t in points)),
     ]
     for name, seconds, summary in suites:
         rows.append((name, f"{seconds:.1f} s", summary))
