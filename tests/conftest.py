@@ -47,8 +47,9 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if hasattr(config, "site_build_dir"):
-        builder = Path(config.site_build_dir) / "builder.pid"
-        if builder.exists():  # a background build still running when the session ends
+        base = Path(config.site_build_dir)
+        builder = base / "builder.pid"
+        if builder.exists() and not (base / "build.json").exists():  # the build did not finish
             try:
                 os.killpg(int(builder.read_text()), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -1,8 +1,8 @@
 """Fault injection: every way a rank can fail ends the run promptly, says who failed and why, and leaves nothing running.
 
-Each case is a purpose-made script in tests/runner_cases/, run in the warm pool, and the
-cases where fresh processes take another code path (killing, timing out, exit codes and
-signals seen by subprocess) in fresh processes too. For each: the run ends within a bound (the grace period or the timeout,
+Each case is a purpose-made script in tests/runner_cases/, run in the warm pool; the cases
+where fresh processes take another code path (a timeout, a rank's own exit code) run in fresh
+processes too. For each: the run ends within a bound (the grace period or the timeout,
 plus a few seconds), the report names the snippet, the ranks and the cause, and no process
 the run started is alive afterwards (checked by process id and process group).
 """
