@@ -213,7 +213,7 @@ def torchrun_environment(rank: int, world_size: int) -> dict[str, str]:
     }
     if world_size > 1:
         # Like torchrun: one OpenMP thread per rank unless the caller chose otherwise
-        # (more ranks than cores, each spinning several threads, is several times slower).
+        # (torchrun: "to avoid your system being overloaded"; more ranks than cores here).
         environment["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return environment
 

@@ -1,5 +1,6 @@
 """The multi-rank runner: torchrun-style environment, per-rank results, fail fast, no leftovers."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def test_a_snippet_that_leaves_state_behind_does_not_change_the_next_one():
     in_fresh_processes = run_snippet(CASES / "probe_state.py", world_size=2, fresh=True).check()
     assert "partitioned weight shape: (0,) full: (4, 4)" in in_fresh_processes.output
     assert "sibling counter: 0" in in_fresh_processes.output
+    # Like torchrun: one OpenMP thread per rank unless the caller set OMP_NUM_THREADS.
+    assert f"threads: {os.environ.get('OMP_NUM_THREADS', '1')}\n" in in_fresh_processes.output
     assert not any(alive(rank.pid) for rank in in_fresh_processes.ranks)  # fresh processes end with their run
     polluter = run_snippet(CASES / "leave_state_behind.py", world_size=2).check()
     assert polluter.output == "left state behind\n" * 2
