@@ -489,13 +489,17 @@ class RankPool:
     def log_tail(self) -> str:
         return _tail(Path(self.log.name).read_text(errors="replace"))
 
-    def _reply(self, rank: int) -> dict | None:
-        """The worker's next reply line, if it has written one."""
+    def _has_replied(self, rank: int) -> bool:
+        """Take in what the worker wrote; True once a whole reply line is there (not consumed)."""
         try:
             self.buffers[rank] += os.read(self.replies[rank], 65536)
         except BlockingIOError:
             pass
-        if b"\n" not in self.buffers[rank]:
+        return b"\n" in self.buffers[rank]
+
+    def _reply(self, rank: int) -> dict | None:
+        """The worker's next reply line, if it has written one."""
+        if not self._has_replied(rank):
             return None
         line, self.buffers[rank] = self.buffers[rank].split(b"\n", 1)
         return json.loads(line)
@@ -517,11 +521,7 @@ class RankPool:
             if listening(port):
                 time.sleep(LISTEN_SETTLE)
                 return
-            try:
-                self.buffers[0] += os.read(self.replies[0], 65536)
-            except BlockingIOError:
-                pass
-            if b"\n" in self.buffers[0] or self.workers[0].poll() is not None:
+            if self._has_replied(0) or self.workers[0].poll() is not None:
                 return
             time.sleep(0.002)
 
