@@ -2,7 +2,7 @@
 
 Run on CPU (2 processes), optionally writing every event to a JSON file:
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/notebooks/gather_timeline.py [events.json]
-On GPUs, drop DS_ACCELERATOR=cpu.
+Run and tested here on CPU only; not run on GPUs.
 
 It trains the LanguageModel of snippets/zero3/language_model.py (loaded from that file, not
 copied) for two steps, twice: as the page shows it (LanguageModel registers

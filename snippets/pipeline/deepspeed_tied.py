@@ -2,7 +2,7 @@
 
 Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/deepspeed_tied.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+Run and tested here on CPU only; not run on GPUs.
 """
 import deepspeed
 import torch

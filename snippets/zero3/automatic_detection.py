@@ -3,7 +3,7 @@ registering the embedding weight, and what happens in each case.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+Run and tested here on CPU only; not run on GPUs.
 """
 from types import SimpleNamespace
 

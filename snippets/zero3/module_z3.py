@@ -3,7 +3,7 @@ when DeepSpeed gathers and releases the registered weight.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/module_z3.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+Run and tested here on CPU only; not run on GPUs.
 """
 import deepspeed
 import torch

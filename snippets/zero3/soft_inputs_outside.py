@@ -1,9 +1,9 @@
-"""Seed 002 as reported: soft one-hot inputs multiplied with the shared embedding weight in the
-loss function, outside every forward. Under ZeRO-3 this fails.
+"""DeepSpeed issue #1047 as reported: soft one-hot inputs multiplied with the shared embedding
+weight in the loss function, outside every forward. Under ZeRO-3 this fails.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/soft_inputs_outside.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+Run and tested here on CPU only; not run on GPUs.
 """
 import deepspeed
 import torch
@@ -20,7 +20,7 @@ class Seq2Seq(nn.Module):
         super().__init__()
         self.shared = nn.Embedding(VOCAB, DIM)
         self.mixer = nn.Linear(DIM, DIM)
-        # What the reader of seed 002 tried: register the weight on the model.
+        # What the reader of DeepSpeed issue #1047 tried: register the weight on the model.
         deepspeed.zero.register_external_parameter(self, self.shared.weight)
 
     def forward(self, inputs_embeds):  # never reached: compute_loss fails before calling it

@@ -1,9 +1,9 @@
-"""Seed 002 done right: the soft one-hot product moves into the forward of a wrapper module,
+"""DeepSpeed issue #1047 done right: the soft one-hot product moves into the forward of a wrapper module,
 which registers the shared weight. Trained under ZeRO-3, it equals plain PyTorch.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/soft_inputs_wrapper.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+Run and tested here on CPU only; not run on GPUs.
 """
 import deepspeed
 import torch

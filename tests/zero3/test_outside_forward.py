@@ -1,4 +1,4 @@
-"""Accessing parameters outside forward: GatheredParameters, and the seed-002 soft-input loss
+"""Accessing parameters outside forward: GatheredParameters, and the soft-input loss of DeepSpeed issue #1047
 (fails outside forward; equals plain PyTorch when moved into a wrapper's forward)."""
 
 import re
