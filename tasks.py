@@ -15,9 +15,11 @@ anything is installed.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -30,6 +32,7 @@ VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 CONSTRAINTS = ROOT / "constraints.txt"
 STAMP = VENV / ".installed-from"
+CREATED = VENV / ".created"  # written once venv.create has finished
 
 # Mermaid, for the diagrams on the pages. Material for MkDocs loads it from unpkg.com unless
 # the page already has it, so the site ships this pinned copy (not committed: 3.5 MB;
@@ -91,13 +94,37 @@ def ensure_mermaid() -> None:
 def ensure_environment() -> None:
     if sys.version_info[:2] != (3, 11):
         die(f"needs Python 3.11 (the pinned torch 2.13.0 wheel is cp311); this is {sys.version.split()[0]}")
+    # One install at a time: a second command started meanwhile waits here, then finds
+    # the environment ready (two first installs at once used to break one of them).
+    with open(ROOT / ".venv.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("tasks.py: another install of .venv is running; waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        install_locked()
+
+
+def install_locked() -> None:
     ensure_mermaid()
-    if not PYTHON.exists():
+    if VENV.exists() and not CREATED.exists() and not STAMP.exists():
+        # Left by an install that was interrupted while it created the environment
+        # (e.g. python without pip): it cannot be repaired in place, so start again.
+        # (An environment made before CREATED existed has STAMP and is kept.)
+        print(f"tasks.py: {VENV} was left half-made by an interrupted install; creating it again", flush=True)
+        shutil.rmtree(VENV)
+    if not VENV.exists():
         print(f"creating virtual environment {VENV}", flush=True)
         venv.create(VENV, with_pip=True)
+        CREATED.write_text("venv.create finished\n")
     fingerprint = install_fingerprint()
     if STAMP.exists() and STAMP.read_text() == fingerprint:
-        return
+        problems = environment_problems()
+        if not problems:
+            return
+        print("tasks.py: the environment does not match constraints.txt; repairing it:\n  "
+              + "\n  ".join(problems), flush=True)
+        STAMP.unlink()
     # 1. torch first, and the build tools DeepSpeed's setup.py needs.
     pip_install("torch", "setuptools")
     # 2. deepspeed is a source archive whose setup.py imports torch: build it
@@ -106,7 +133,48 @@ def ensure_environment() -> None:
     pip_install("--no-build-isolation", "deepspeed")
     # 3. Everything else declared in pyproject.toml.
     pip_install("--no-build-isolation", "-e", ".[test]")
+    problems = environment_problems()
+    if problems:
+        die("the install finished but the environment still does not match constraints.txt:\n  "
+            + "\n  ".join(problems))
     STAMP.write_text(fingerprint)
+
+
+# Run by the environment's own python: which pinned distributions are missing or at
+# another version. About 0.1 s, so every command checks it (a package uninstalled or
+# changed by hand in .venv is noticed and repaired, not found later as a crash).
+CHECK_PINS = """
+import re, sys
+from importlib.metadata import distributions
+def key(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+found = {key(d.metadata["Name"]): d.version for d in distributions()}
+problems = []
+for line in sys.stdin.read().splitlines():
+    name, wanted = line.split("==")
+    have = found.get(key(name))
+    if have is None:
+        problems.append(f"{name}=={wanted}: not installed")
+    elif have.split("+")[0] != wanted:
+        problems.append(f"{name}=={wanted}: found {have}")
+print("\\n".join(problems))
+"""
+
+
+def pinned_distributions() -> list[str]:
+    """The `name==version` lines of constraints.txt (every one is installed by the install)."""
+    lines = [line.split("#")[0].strip() for line in CONSTRAINTS.read_text().splitlines()]
+    return [line for line in lines if "==" in line]
+
+
+def environment_problems() -> list[str]:
+    if not PYTHON.exists():
+        return [f"{PYTHON} is missing"]
+    done = subprocess.run([str(PYTHON), "-c", CHECK_PINS], input="\n".join(pinned_distributions()),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        return [f"{PYTHON} does not run: {done.stderr.strip().splitlines()[-1:] or done.returncode}"]
+    return [line for line in done.stdout.splitlines() if line]
 
 
 def environment() -> dict[str, str]:
@@ -135,9 +203,28 @@ def main(argv: list[str]) -> int:
                 address = arg.split("=", 1)[1]
             elif arg in {"--dev-addr", "-a"} and i + 1 < len(rest):
                 address = rest[i + 1]
+        taken = port_taken(address)
+        if taken:
+            die(f"cannot serve on http://{address}/: {taken}. Another server (an earlier "
+                f"`tasks.py serve`?) may be running there; stop it, or choose another address: "
+                f"python3 tasks.py serve --dev-addr 127.0.0.1:8001")
         print(f"Serving the site on http://{address}/  (Ctrl-C stops)", flush=True)
         return run_in_venv("-m", "mkdocs", "serve", *rest)
     return run_in_venv("-m", "pytest", *pytest_arguments(rest))
+
+
+def port_taken(address: str) -> str | None:
+    """Why `mkdocs serve` could not listen on host:port, or None if it can."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as mkdocs' server does
+            probe.bind((host.strip("[]"), int(port)))
+    except ValueError:
+        return f"{address!r} is not host:port"
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
 
 
 def pytest_arguments(rest: list[str]) -> list[str]:
@@ -150,7 +237,9 @@ def pytest_arguments(rest: list[str]) -> list[str]:
             arguments.append(arg)
     chose_workers = any(arg in {"-n", "--numprocesses"} or arg.startswith(("-n", "--numprocesses="))
                         for arg in arguments)
-    if not chose_workers:
+    # `-p no:xdist` turns pytest-xdist off: then there is no -n to pass.
+    xdist_off = any(a in {"no:xdist", "-pno:xdist"} for a in arguments)
+    if not chose_workers and not xdist_off:
         # Both cores of this machine; a file's tests stay on one worker, so its module
         # fixtures are set up once (the workers share one site build: tests/test_site.py).
         arguments = ["-n", "2", "--dist", "loadfile", *arguments]

@@ -33,11 +33,37 @@ EVERY_EXAMPLE = {"", "not slow"}
 
 
 def gate_is_on(config) -> bool:
+    return why_gate(config)[0]
+
+
+def why_gate(config) -> tuple[bool, str]:
+    """Whether the gate is on, and why, in words for the report header."""
     chosen = config.getoption("snippet_coverage")
     if chosen is not None:
-        return chosen
-    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
-    return whole_suite and not config.getoption("keyword") and config.getoption("markexpr") in EVERY_EXAMPLE
+        return chosen, "--snippet-coverage" if chosen else "--no-snippet-coverage"
+    if config.getoption("collectonly"):
+        return False, "--collect-only runs no example"
+    if not selects_every_test_file(config):
+        return False, f"only part of tests/ was selected ({' '.join(config.args)}); --snippet-coverage turns it on"
+    if config.getoption("keyword"):
+        return False, f"-k {config.getoption('keyword')!r} selects part of the tests; --snippet-coverage turns it on"
+    if config.getoption("markexpr") not in EVERY_EXAMPLE:
+        return False, f"-m {config.getoption('markexpr')!r} may leave out examples; --snippet-coverage turns it on"
+    return True, "the whole suite runs every example"
+
+
+def selects_every_test_file(config) -> bool:
+    """pytest was pointed at all of tests/: no paths from the repository root (testpaths),
+    or the repository root or tests/ itself, from any directory."""
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        return True
+    targets = {(Path(config.invocation_params.dir) / arg).resolve() for arg in config.args}
+    return bool(targets) and targets <= {ROOT.resolve(), (ROOT / "tests").resolve()}
+
+
+def pytest_report_header(config):
+    on, why = why_gate(config)
+    return f"snippet coverage gate: {'on' if on else 'off'} ({why})"
 
 
 def pytest_configure(config):

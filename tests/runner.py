@@ -359,7 +359,10 @@ class Zygote:
     def _read_messages(self, wait: float = 0.0) -> None:
         """Take in what the zygote reported (waiting up to `wait` seconds for the first message)."""
         while select.select([self.control], [], [], wait)[0]:
-            message = self.control.recv(65536)
+            try:
+                message = self.control.recv(65536)
+            except ConnectionError:  # it died with our request unread
+                message = b""
             if not message:  # the zygote is gone
                 return
             news = json.loads(message)
@@ -371,12 +374,25 @@ class Zygote:
 
     def fork(self, environment: dict[str, str], jobs_fd: int, reply_fd: int, log_fd: int, deadline: float) -> int:
         """A new worker with `environment` on top of the zygote's; returns its pid."""
-        socket.send_fds(self.control, [json.dumps({"env": environment}).encode()], [jobs_fd, reply_fd, log_fd])
+        try:
+            socket.send_fds(self.control, [json.dumps({"env": environment}).encode()], [jobs_fd, reply_fd, log_fd])
+        except ConnectionError:
+            pass  # it is gone: said below, with its own output
         while not self.started:
-            if not self.alive or time.monotonic() > deadline:
-                raise RuntimeError(f"the rank zygote did not fork a worker:\n{_tail(Path(self.log.name).read_text(errors='replace'))}")
             self._read_messages(wait=0.05)
+            if self.started:
+                break
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the rank zygote (the process that imports torch and DeepSpeed once for the warm pool) "
+                    f"exited with code {self.process.returncode} before it forked a worker. Its output:\n"
+                    f"{self.output_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the rank zygote did not fork a worker in time. Its output:\n{self.output_tail()}")
         return self.started.pop(0)
+
+    def output_tail(self) -> str:
+        return _tail(Path(self.log.name).read_text(errors="replace")) or "(nothing)"
 
     def exit_code(self, pid: int) -> int | None:
         """The worker's exit code (negative: killed by that signal), or None while it runs."""

@@ -224,3 +224,19 @@ def test_ctrl_c_on_the_test_session_leaves_no_rank_behind(tmp_path, fresh):
     assert "KeyboardInterrupt" in output
     time.sleep(0.5)
     assert not any(alive(pid) for pid in pids), output
+
+
+def test_a_zygote_that_dies_while_importing_shows_its_own_output(tmp_path):
+    """A broken environment (here: a deepspeed that fails to import) is reported as the
+    zygote's own traceback, not as the `ConnectionResetError` the runner met afterwards."""
+    (tmp_path / "deepspeed.py").write_text('raise ImportError("cannot import name \'X\' (broken on purpose)")\n')
+    script = "from runner import run_snippet\nrun_snippet('tests/runner_cases/hello.py', 2)\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(tmp_path)])}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.rstrip().splitlines()
+    assert "RuntimeError: the rank zygote (the process that imports torch and DeepSpeed once for the warm pool) " \
+           "exited with code 1 before it forked a worker. Its output:" in done.stderr
+    assert last[-1] == "ImportError: cannot import name 'X' (broken on purpose)"
+    assert "ConnectionResetError" not in done.stderr
