@@ -44,6 +44,7 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
     sys.path[0] = os.path.dirname(os.path.abspath(snippet))
     report = {"exception": None, "returned": None}
     exit_code = 0
+    rank_pid = os.getpid()
     try:
         if function:
             namespace = runpy.run_path(snippet, run_name="__snippet__")
@@ -61,6 +62,11 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if os.getpid() != rank_pid:
+            # A child the snippet forked (os.fork) that did not call os._exit came back
+            # here. Under `python snippet.py` it would just end: end it, before it can
+            # write the rank's report or answer for the pool worker.
+            os._exit(exit_code)
         try:
             payload = pickle.dumps(report)
         except Exception as error:  # an unpicklable return value is a failure too

@@ -240,3 +240,15 @@ def test_a_zygote_that_dies_while_importing_shows_its_own_output(tmp_path):
            "exited with code 1 before it forked a worker. Its output:" in done.stderr
     assert last[-1] == "ImportError: cannot import name 'X' (broken on purpose)"
     assert "ConnectionResetError" not in done.stderr
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_a_child_forked_by_a_snippet_never_answers_for_its_rank(fresh):
+    """A child made with os.fork() that returns from the script (no os._exit) ends there:
+    the rank's answer and output are its parent's, and the next run in the pool is whole."""
+    result = run_snippet(CASES / "fork_without_exit.py", world_size=2, fresh=fresh).check()
+    for rank in (0, 1):
+        assert result.ranks[rank].stdout == (
+            f"child of rank {rank} returns without os._exit\nrank {rank} parent done\n")
+    after = run_snippet(CASES / "hello.py", world_size=2, fresh=fresh).check()
+    assert after.output == "[rank 0] world 2 local 0 sum 3\n[rank 1] world 2 local 1 sum 3\n"
