@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import ROOT, RunResult
+from runner import ROOT, RunResult, close_zygotes
 
 pytest_plugins = ["coverage_gate"]
 
@@ -28,7 +28,29 @@ def pytest_addoption(parser):
     )
 
 
+# Every temporary file of a test session (rank logs, coverage data, site builds, what the
+# snippets, torchrun and the notebook write to the temporary directory) goes into one
+# directory per session, removed when the session ends. A session that was killed outright
+# cannot clean up: the next session removes the directories of sessions that are gone.
+SESSION_TMP_PREFIX = "snippet-tests-"
+
+
+def remove_directories_of_ended_sessions(base: Path) -> None:
+    for directory in base.glob(f"{SESSION_TMP_PREFIX}*"):
+        pid = directory.name[len(SESSION_TMP_PREFIX):]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # pytest-xdist workers inherit TMPDIR
+        base = Path(tempfile.gettempdir())
+        remove_directories_of_ended_sessions(base)
+        config.session_tmp = base / f"{SESSION_TMP_PREFIX}{os.getpid()}"
+        config.session_tmp.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(config.session_tmp)
+        tempfile.tempdir = None  # tempfile caches the directory it found first
     order = config.getoption("--order")
     name, _, seed = order.partition(":")
     if order not in ("declared", "reverse") and name != "random":
@@ -55,6 +77,9 @@ def pytest_unconfigure(config):
             except (ProcessLookupError, PermissionError):
                 pass
         shutil.rmtree(config.site_build_dir, ignore_errors=True)
+    if hasattr(config, "session_tmp"):
+        close_zygotes()  # their logs are in it
+        shutil.rmtree(config.session_tmp, ignore_errors=True)
 
 
 def reads_the_site_build(item) -> bool:
