@@ -67,3 +67,31 @@ def test_commands_on_pages_match_the_snippets():
             f"{page.relative_to(ROOT)} runs {path} on {world_size} ranks; the snippet documents "
             f"{documented_world_size(path)}"
         )
+
+
+MARKER = re.compile(r"--8<--\s*\[(start|end):([^\]]*)\]")
+
+
+def section_markers(snippet_file):
+    """(line number, 'start' or 'end', name) of every section marker in a snippet file."""
+    lines = (ROOT / snippet_file).read_text().splitlines()
+    return [(number, kind, name) for number, line in enumerate(lines, 1) for kind, name in MARKER.findall(line)]
+
+
+@pytest.mark.parametrize("snippet_file", [s for s in snippet_files() if s.suffix == ".py"], ids=str)
+def test_every_section_marker_is_matched_and_used_by_a_page(snippet_file):
+    """A start without an end (or the other way round), or a section no page includes, is a typo
+    or a leftover: `[start:modl]` would otherwise go unnoticed until a page asks for `model`."""
+    open_sections, problems = {}, []
+    for number, kind, name in section_markers(snippet_file):
+        if kind == "start":
+            if name in open_sections:
+                problems.append(f"line {number}: [start:{name}] again before its [end:{name}]")
+            open_sections[name] = number
+        elif open_sections.pop(name, None) is None:
+            problems.append(f"line {number}: [end:{name}] without a [start:{name}] before it")
+    problems += [f"line {number}: [start:{name}] has no [end:{name}]" for name, number in open_sections.items()]
+    used = {section for _, path, section in includes() if path == str(snippet_file)}
+    names = {name for _, kind, name in section_markers(snippet_file) if kind == "start"}
+    problems += [f"section {name!r} is included by no page in docs/" for name in sorted(names - used)]
+    assert not problems, f"{snippet_file}:\n  " + "\n  ".join(problems)
