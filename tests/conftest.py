@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import difflib
 import os
 import random
 import shutil
@@ -110,6 +111,28 @@ def pytest_report_header(config):
     return f"test order: {config.getoption('--order')}" + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")
 
 
+def pages_including(output_file: Path) -> list[str]:
+    """The pages (docs/…) that include `output_file` with --8<--."""
+    target = f'"{output_file.relative_to(ROOT)}"'
+    return sorted(str(page.relative_to(ROOT)) for page in (ROOT / "docs").rglob("*.md") if target in page.read_text())
+
+
+def output_mismatch(name: str, output_file: Path, expected: str, actual: str) -> str:
+    """The report for a run that printed something else than its output file: where the file is
+    shown, the whole difference, and how to accept the new output."""
+    shown = output_file.relative_to(ROOT)
+    pages = pages_including(output_file)
+    diff = difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
+                                fromfile=f"{shown} (committed)", tofile=f"{shown} (this run)")
+    return (
+        f"{name} printed something else than {shown}, which "
+        + (f"is shown on {', '.join(pages)}" if pages else "no page includes")
+        + ".\n" + "".join(diff)
+        + "\nIf the new output is right (the example changed on purpose), regenerate the output files from "
+          "real runs and review the diff:\n    python3 tasks.py test --update-outputs && git diff snippets/"
+    )
+
+
 @pytest.fixture
 def expect_output(request):
     """Compare a run's transcript with an output file, or rewrite it under --update-outputs."""
@@ -126,7 +149,8 @@ def expect_output(request):
                 f"`python3 tasks.py test --update-outputs`"
             )
         expected = output_file.read_text()
-        context = "" if result.ok else "\n" + result.failure_report()
-        assert actual == expected, f"{result.name} printed something else than {output_file.relative_to(ROOT)}{context}"
+        if actual != expected:
+            context = "" if result.ok else "\n" + result.failure_report()
+            pytest.fail(output_mismatch(result.name, output_file, expected, actual) + context, pytrace=False)
 
     return check

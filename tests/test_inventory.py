@@ -95,3 +95,16 @@ def test_every_section_marker_is_matched_and_used_by_a_page(snippet_file):
     names = {name for _, kind, name in section_markers(snippet_file) if kind == "start"}
     problems += [f"section {name!r} is included by no page in docs/" for name in sorted(names - used)]
     assert not problems, f"{snippet_file}:\n  " + "\n  ".join(problems)
+
+
+def test_an_output_mismatch_names_the_pages_shows_the_whole_diff_and_how_to_update():
+    from conftest import output_mismatch
+
+    out = ROOT / "snippets" / "zero3" / "language_model.out"
+    expected = "".join(f"line {i}\n" for i in range(40))
+    actual = expected.replace("line 3\n", "line three\n").replace("line 37\n", "line thirty-seven\n")
+    report = output_mismatch("snippets/zero3/language_model.py", out, expected, actual)
+    assert report.startswith("snippets/zero3/language_model.py printed something else than "
+                             "snippets/zero3/language_model.out, which is shown on docs/zero3/external-parameters.md")
+    assert "-line 3\n+line three\n" in report and "-line 37\n+line thirty-seven\n" in report  # not truncated
+    assert report.rstrip().endswith("python3 tasks.py test --update-outputs && git diff snippets/")
