@@ -1,13 +1,14 @@
-"""Seed 002 as reported: soft one-hot inputs multiplied with the shared embedding weight in the
+"""DeepSpeed issue #1047 as reported: soft one-hot inputs multiplied with the shared embedding weight in the
 loss function, outside every forward. Under ZeRO-3 this fails.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/soft_inputs_outside.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+On GPUs, drop DS_ACCELERATOR=cpu (not run here).
 """
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 VOCAB, DIM, SEQ, BATCH, SEED, LR = 16, 8, 5, 8, 0, 0.1
@@ -20,7 +21,7 @@ class Seq2Seq(nn.Module):
         super().__init__()
         self.shared = nn.Embedding(VOCAB, DIM)
         self.mixer = nn.Linear(DIM, DIM)
-        # What the reader of seed 002 tried: register the weight on the model.
+        # What the reader of DeepSpeed issue #1047 tried: register the weight on the model.
         deepspeed.zero.register_external_parameter(self, self.shared.weight)
 
     def forward(self, inputs_embeds):  # never reached: compute_loss fails before calling it
@@ -39,7 +40,7 @@ def compute_loss(engine, sampled_input, targets):
 
 
 def main():
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
@@ -55,7 +56,7 @@ def main():
     generator = torch.Generator().manual_seed(SEED)
     sampled_input = torch.softmax(torch.randn(BATCH // world, SEQ, VOCAB, generator=generator), dim=-1)
     targets = torch.randint(0, VOCAB, (BATCH // world, SEQ), generator=generator)
-    loss = compute_loss(engine, sampled_input, targets)  # raises
+    loss = compute_loss(engine, sampled_input.to(engine.device), targets.to(engine.device))  # raises
     engine.backward(loss)  # never reached: compute_loss raises
     torch.distributed.destroy_process_group()  # never reached
 

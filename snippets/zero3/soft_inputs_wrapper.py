@@ -1,13 +1,14 @@
-"""Seed 002 done right: the soft one-hot product moves into the forward of a wrapper module,
+"""DeepSpeed issue #1047 done right: the soft one-hot product moves into the forward of a wrapper module,
 which registers the shared weight. Trained under ZeRO-3, it equals plain PyTorch.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/soft_inputs_wrapper.py
-On GPUs, drop DS_ACCELERATOR=cpu.
+On GPUs, drop DS_ACCELERATOR=cpu (not run here).
 """
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 VOCAB, DIM, SEQ, BATCH, STEPS, SEED, LR = 16, 8, 5, 8, 3, 0, 0.1
@@ -52,7 +53,7 @@ def make_batch(step):
 
 
 def main():
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
@@ -73,8 +74,8 @@ def main():
         sampled_input, targets = make_batch(step)
         share = BATCH // world  # each rank trains on its own slice of the batch
         mine = slice(rank * share, (rank + 1) * share)
-        logits = engine(sampled_input[mine])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[mine].reshape(-1))
+        logits = engine(sampled_input[mine].to(engine.device))
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[mine].to(engine.device).reshape(-1))
         engine.backward(loss)
     # --8<-- [end:train]
         grads.append({name: deepspeed.utils.safe_get_full_grad(p).clone()
