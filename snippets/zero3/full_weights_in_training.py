@@ -41,6 +41,7 @@ def main():
         "train_micro_batch_size_per_gpu": BATCH,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
     }
     torch.manual_seed(SEED)
     with deepspeed.zero.Init(config_dict_or_path=config):
