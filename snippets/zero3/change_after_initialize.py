@@ -93,7 +93,7 @@ def run(name, rank):
                     values(deepspeed.utils.safe_get_full_fp32_param(weight)))
 
     if rank == 0:
-        print(f"{name}: filled with 0.5 before initialize: {seen['before initialize']} after a step (loss {seen['loss at 0.5']})")
+        print(f"{name}, lr=0.0: filled with 0.5 before initialize: {seen['before initialize']} after a step (loss {seen['loss at 0.5']})")
         print(f"{name}: GatheredParameters(modifier_rank=0) to 1.0 after initialize: {seen['undone'][0]} after the block, "
               f"step loss {seen['undone'][1]}, {seen['undone'][2]} after engine.step()")
         print(f"{name}: safe_set_full_fp32_param to 2.0: {seen['fp32'][0]} before engine.step(), "

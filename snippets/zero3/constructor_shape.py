@@ -48,6 +48,14 @@ class LanguageModel(nn.Module):
 # --8<-- [end:model]
 
 
+SHOWN = {  # what each way reads, as printed
+    "width_from_size": "embeddings.weight.size(1)",
+    "width_from_ds_shape": "embeddings.weight.ds_shape[1]",
+    "width_from_gathered": "embeddings.weight.size(1) inside GatheredParameters",
+    "width_from_config": "embeddings.embedding_dim",
+}
+
+
 def make_batch():
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
@@ -71,7 +79,7 @@ def main():
         except IndexError as error:
             seen[width.__name__] = f"IndexError: {error}"
             if rank == 0:
-                print(f"{width.__name__}: IndexError: {error}")
+                print(f"{SHOWN[width.__name__]}: IndexError: {error}")
             continue
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
         tokens, targets = make_batch()
@@ -79,7 +87,7 @@ def main():
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.to(engine.device).reshape(-1))
         seen[width.__name__] = (tuple(engine.module.head.weight.ds_shape), loss.item())
         if rank == 0:
-            print(f"{width.__name__}: head.weight ds_shape {tuple(engine.module.head.weight.ds_shape)}, loss {loss.item():.4f}")
+            print(f"{SHOWN[width.__name__]}: head.weight ds_shape {tuple(engine.module.head.weight.ds_shape)}, loss {loss.item():.4f}")
     torch.distributed.destroy_process_group()
     return seen
 

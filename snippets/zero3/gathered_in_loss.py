@@ -1,5 +1,5 @@
 """GatheredParameters around a product in the loss function (DeepSpeed issue #1047): the backward
-runs after the block has partitioned the weight again. Three cases: when it trains, when it fails.
+runs after the block has partitioned the weight again. When it trains, when it fails.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/gathered_in_loss.py
@@ -65,6 +65,7 @@ CASES = {  # name: (tied head, inputs require grad, shared weight trainable, bac
     "trainable weight, generator inputs": (True, True, True, False),
     "weight read only in the loss, data inputs": (False, False, True, False),
     "frozen weight, data inputs": (True, False, False, False),
+    "frozen weight, generator inputs": (True, True, False, False),
     "backward inside the block, generator inputs": (True, True, True, True),
 }
 

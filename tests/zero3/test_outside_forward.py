@@ -244,6 +244,7 @@ def test_gathered_parameters_in_a_loss(world_size, expect_output):
         assert got["weight read only in the loss, data inputs"] == {"error": ACCUMULATE_ERROR}
         # ...and inputs that require grad need the weight's values: x.grad = grad @ weight.t().
         assert got["trainable weight, generator inputs"] == {"error": "mat2 must be a matrix"}
+        assert got["frozen weight, generator inputs"] == {"error": "mat2 must be a matrix"}
         # Nothing of the weight needed in backward: trains as plain PyTorch does.
         assert_same_training(got["frozen weight, data inputs"], trained[False], f"rank {rank} frozen")
         # The backward inside the block: the weight is whole while autograd needs it.
