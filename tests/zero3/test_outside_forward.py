@@ -1,5 +1,7 @@
-"""Accessing parameters outside forward: GatheredParameters, and the seed-002 soft-input loss
-(fails outside forward; equals plain PyTorch when moved into a wrapper's forward)."""
+"""Accessing parameters outside forward: GatheredParameters, and the soft-input loss of DeepSpeed issue #1047
+(fails outside forward; equals plain PyTorch when moved into a wrapper's forward); a change after
+deepspeed.initialize; jobs on full weights; GatheredParameters in a loss; a shape read in a
+constructor (DeepSpeed issue #907); the other GatheredParameters arguments."""
 
 import re
 import runpy
