@@ -1,5 +1,7 @@
 """Accessing parameters outside forward: GatheredParameters, and the soft-input loss of DeepSpeed issue #1047
-(fails outside forward; equals plain PyTorch when moved into a wrapper's forward)."""
+(fails outside forward; equals plain PyTorch when moved into a wrapper's forward); a change after
+deepspeed.initialize; jobs on full weights; GatheredParameters in a loss; a shape read in a
+constructor (DeepSpeed issue #907); the other GatheredParameters arguments."""
 
 import re
 import runpy
@@ -121,3 +123,178 @@ def test_page_shows_the_messages():
     assert excerpts
     for line in excerpts:
         assert any(line in printed_line for printed_line in printed), line
+
+
+CHANGE = "snippets/zero3/change_after_initialize.py"
+JOBS = "snippets/zero3/full_weights_in_training.py"
+IN_LOSS = "snippets/zero3/gathered_in_loss.py"
+CONSTRUCTOR = "snippets/zero3/constructor_shape.py"
+API = "snippets/zero3/gathered_parameters_api.py"
+SIZE_ERROR = "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)"
+
+
+def plain_change_losses():
+    """The losses plain PyTorch computes for the same model and inputs at weights 0.5, 1.0, 3.0."""
+    example = runpy.run_path(str(ROOT / CHANGE), run_name="reference")
+    losses = {}
+    for value in (0.5, 1.0, 3.0):
+        torch.manual_seed(example["SEED"])
+        model = torch.nn.Sequential(torch.nn.Linear(example["DIM"], example["DIM"]), torch.nn.Linear(example["DIM"], 1))
+        with torch.no_grad():
+            model[0].weight.fill_(value)
+        losses[value] = round(model(torch.ones(example["BATCH"], example["DIM"])).square().mean().item(), 4)
+    return losses
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_change_after_initialize(world_size, expect_output):
+    plain = plain_change_losses()
+    result = run_snippet(CHANGE, world_size, call="main").check()
+    for rank in range(world_size):
+        for name, seen in result.returned(rank).items():
+            label = f"rank {rank} {name}"
+            # A change before deepspeed.initialize stays.
+            assert seen["before initialize"] == [0.5], label
+            assert seen["loss at 0.5"] == plain[0.5], label
+            # GatheredParameters(modifier_rank=0) after initialize: the next forward computes
+            # with the change, then engine.step() (lr=0.0) puts the old values back.
+            assert seen["undone"] == ([1.0], plain[1.0], [0.5]), label
+            # safe_set_full_fp32_param alone: the step computes with the old weight, then keeps the new one.
+            assert seen["fp32"] == ([0.5], plain[0.5], [2.0]), label
+            # Both: the step computes with the new weight and keeps it, in both copies.
+            assert seen["both"] == ([3.0], plain[3.0], [3.0], [3.0]), label
+        state_before, state_after, reset = result.returned(rank)["Adam"]["state"]
+        assert state_before.abs().sum() > 0  # Adam has a state for this weight...
+        torch.testing.assert_close(state_after, state_before, rtol=0, atol=0)  # ...that the change left as it was
+        assert reset == [[0.0], [0.0]]  # safe_set_full_optimizer_state resets it
+    if world_size == 2:
+        expect_output(result, output_file(CHANGE))
+
+
+def train_jobs_without_deepspeed():
+    example = runpy.run_path(str(ROOT / JOBS), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    model = example["build_model"]()
+    optimizer = torch.optim.Adam(model.parameters(), lr=example["LR"])
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses, grads, norms = [], [], []
+    for step in range(example["STEPS"]):
+        if step == example["SURGERY_STEP"]:
+            with torch.no_grad():
+                model[0].weight[0] = 0.0
+        inputs, targets = example["make_batch"](step)
+        loss = F.mse_loss(model(inputs), targets)
+        loss.backward()
+        grads.append(model[0].weight.grad.clone())
+        optimizer.step()
+        optimizer.zero_grad()
+        norms.append(model[0].weight.norm().item())
+        for name, param in model.named_parameters():
+            ema[name].mul_(example["DECAY"]).add_(param.detach(), alpha=1 - example["DECAY"])
+        losses.append(loss.item())
+    return losses, grads, norms, ema
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_jobs_on_full_weights_match_plain_pytorch(world_size, expect_output):
+    losses, grads, norms, ema = train_jobs_without_deepspeed()
+    result = run_snippet(JOBS, world_size, call="main").check()
+    for rank in range(world_size):
+        got = result.returned(rank)
+        assert got["losses"] == pytest.approx(losses, abs=1e-6), rank
+        assert got["norms"] == pytest.approx(norms, abs=1e-6), rank
+        for step, (g, want) in enumerate(zip(got["grads"], grads)):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+        assert got["ema"].keys() == ema.keys()
+        for name in ema:
+            torch.testing.assert_close(got["ema"][name], ema[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    if world_size == 2:
+        expect_output(result, output_file(JOBS))
+
+
+def train_in_loss_without_deepspeed(trainable):
+    example = runpy.run_path(str(ROOT / IN_LOSS), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    model = example["Seq2Seq"](True)
+    model.shared.weight.requires_grad_(trainable)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=example["LR"])
+    losses, grads = [], []
+    for step in range(example["STEPS"]):
+        sampled_input, targets = example["make_batch"](step)
+        b, l, c = sampled_input.shape
+        logits = model(sampled_input.reshape(b * l, c).mm(model.shared.weight).view(b, l, -1))
+        loss = F.cross_entropy(logits.reshape(-1, example["VOCAB"]), targets.reshape(-1))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+ACCUMULATE_ERROR = "The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gathered_parameters_in_a_loss(world_size, expect_output):
+    trained = {True: train_in_loss_without_deepspeed(True), False: train_in_loss_without_deepspeed(False)}
+    result = run_snippet(IN_LOSS, world_size, call="main").check()
+    for rank in range(world_size):
+        got = result.returned(rank)
+        # Backward after the block: the trainable weight's gradient lands on the empty weight...
+        assert got["trainable weight, data inputs"] == {"error": ACCUMULATE_ERROR}
+        assert got["weight read only in the loss, data inputs"] == {"error": ACCUMULATE_ERROR}
+        # ...and inputs that require grad need the weight's values: x.grad = grad @ weight.t().
+        assert got["trainable weight, generator inputs"] == {"error": "mat2 must be a matrix"}
+        assert got["frozen weight, generator inputs"] == {"error": "mat2 must be a matrix"}
+        # Nothing of the weight needed in backward: trains as plain PyTorch does.
+        assert_same_training(got["frozen weight, data inputs"], trained[False], f"rank {rank} frozen")
+        # The backward inside the block: the weight is whole while autograd needs it.
+        assert_same_training(got["backward inside the block, generator inputs"], trained[True], f"rank {rank} inside")
+    if world_size == 2:
+        expect_output(result, output_file(IN_LOSS))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_constructor_reads_a_shape(world_size, expect_output):
+    example = runpy.run_path(str(ROOT / CONSTRUCTOR), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    plain = example["LanguageModel"](example["width_from_config"])
+    tokens, targets = example["make_batch"]()
+    want = F.cross_entropy(plain(tokens).reshape(-1, example["VOCAB"]), targets.reshape(-1)).item()
+    result = run_snippet(CONSTRUCTOR, world_size, call="main").check()
+    for rank in range(world_size):
+        got = result.returned(rank)
+        assert got["width_from_size"] == SIZE_ERROR  # DeepSpeed issue #907's message
+        for fix in ("width_from_ds_shape", "width_from_gathered", "width_from_config"):
+            shape, loss = got[fix]
+            assert shape == tuple(plain.head.weight.shape) == (16, 8), fix  # the head plain PyTorch builds
+            assert loss == pytest.approx(want, abs=1e-6), fix
+    if world_size == 2:
+        expect_output(result, output_file(CONSTRUCTOR))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gathered_parameters_api(world_size, expect_output):
+    example = runpy.run_path(str(ROOT / API), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    torch.nn.Linear(example["DIM"], 4)  # the same random draws as under zero.Init
+    plain = example["ListHead"]()
+    tokens, targets = example["make_batch"]()
+    want = F.cross_entropy(plain(tokens).reshape(-1, example["VOCAB"]), targets.reshape(-1)).item()
+    result = run_snippet(API, world_size, call="main").check()
+    for rank in range(world_size):
+        got = result.returned(rank)
+        assert got["list"] == [(4, 8), (4,)]  # every parameter of the list gathered
+        assert got["enabled=False"] == [(0,)]  # nothing gathered
+        assert got["a module"] == [(0,)]  # a module is silently ignored
+        # modifier_rank=None partitions on exit: empty again, storage freed.
+        assert got["after modifier_rank=None"] == ((0,), "NOT_AVAILABLE", 0)
+        # fwd_module=: the registration outlives the with block, and a later forward that
+        # reads the weight through a list (not detected) computes the plain PyTorch loss.
+        assert got["registered after the block"] == [True]
+        assert got["loss"] == pytest.approx(want, abs=1e-6)
+        assert got["exported"] is False  # not in deepspeed.zero, where the API doc puts it
+        assert got["registered after unregister"] == []
+    if world_size == 2:
+        expect_output(result, output_file(API))

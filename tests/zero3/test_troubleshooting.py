@@ -12,8 +12,11 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
     "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out"],
-    "RuntimeError: mat2 must be a matrix": ["automatic_detection.out", "soft_inputs_outside.out"],
-    "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": ["automatic_detection.out"],
+    "RuntimeError: mat2 must be a matrix": ["automatic_detection.out", "soft_inputs_outside.out", "gathered_in_loss.out"],
+    "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
+        "gathered_in_loss.out"],
+    "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": [
+        "automatic_detection.out", "constructor_shape.out"],
     "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
@@ -41,3 +44,14 @@ def test_silent_cases_are_shown():
     assert "zeroed with modifier_rank=None: sum 0.0000 inside, 3.3562 after" in gathered
     assert "gathered_parameters.out" in page
     assert "changed in a constructor" in page
+    # a change made with GatheredParameters(modifier_rank=0) after initialize, undone by the step
+    changed = (ROOT / "snippets/zero3/change_after_initialize.out").read_text()
+    for name in ("SGD", "Adam"):
+        line = (f"{name}: GatheredParameters(modifier_rank=0) to 1.0 after initialize: [1.0] after the block, "
+                f"step loss 12.2887, [0.5] after engine.step()")
+        assert line in changed, line
+    assert "change_after_initialize.out" in page
+    # the table has one row per case, and the sentence above it counts them
+    rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
+    assert len(rows) == 2 + 3  # header, separator, one row per case
+    assert "found three cases" in page
