@@ -257,12 +257,15 @@ def train_plain(model_class, kwargs):
     return {"losses": losses, "grads": grads}
 
 
+LOSS_ATOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
+
+
 def verdict(got, plain, errors):
     """works / silently wrong / fails, compared with plain PyTorch in every step."""
     if "error" in got:
         return f"**fails** {got['where']} ({errors[got['error']]})"
-    same = all(abs(a - b) <= 1e-6 for a, b in zip(got["losses"], plain["losses"])) and all(
-        g.keys() == p.keys() and all(torch.allclose(g[n], p[n], rtol=1e-5, atol=1e-6) for n in p)
+    same = all(abs(a - b) <= LOSS_ATOL for a, b in zip(got["losses"], plain["losses"])) and all(
+        g.keys() == p.keys() and all(torch.allclose(g[n], p[n], GRAD_RTOL, GRAD_ATOL) for n in p)
         for g, p in zip(got["grads"], plain["grads"]))
     return "works" if same else "**silently wrong**"
 
@@ -276,15 +279,24 @@ def print_tables(results):
     def cell(key, register):
         return verdict(results[key][register], results[key]["plain"], errors)
 
-    def registered(keys):
-        verdicts = {cell(key, True) for key in keys}
-        return verdicts.pop() if len(verdicts) == 1 else ", ".join(cell(key, True) for key in keys)
+    def registered(keys):  # one verdict for the row's three cells when they agree
+        return " / ".join(dict.fromkeys(cell(key, True) for key in keys))
 
+    print(f"*works*: in each of the {STEPS} steps, the loss is within {LOSS_ATOL:g} of plain PyTorch's "
+          f"and every full gradient passes `torch.allclose(rtol={GRAD_RTOL:g}, atol={GRAD_ATOL:g})`; "
+          "*silently wrong*: no error, but the results differ; *fails*: the run raised the error "
+          "listed under the tables.")
+    print()
+    print("Where the forward gets the weight, and when it reads it:")
+    print()
     print("| How the forward gets the weight | " + " | ".join(WHEN.values()) + " | with registration |")
     print("| --- " * (len(WHEN) + 2) + "|")
     for read in READS:
         keys = [(read, when, FIRST_USE) for when in WHEN]
         print(f"| {read} | " + " | ".join(cell(key, False) for key in keys) + f" | {registered(keys)} |")
+    print()
+    print("Whether the backward needs the weight's values (a product with `weight.t()`: yes; "
+          "a lookup with `F.embedding`: no):")
     print()
     print("| Gets the weight with | Computes | " + " | ".join(WHEN.values()) + " | with registration |")
     print("| --- " * (len(WHEN) + 3) + "|")
@@ -293,6 +305,8 @@ def print_tables(results):
             keys = [(read, when, use) for when in WHEN]
             print(f"| {read} | {use} | " + " | ".join(cell(key, False) for key in keys)
                   + f" | {registered(keys)} |")
+    print()
+    print("Other ways a model shares or touches the weight:")
     print()
     print("| Pattern | without registration | with registration |")
     print("| --- | --- | --- |")
