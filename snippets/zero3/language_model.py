@@ -7,6 +7,7 @@ Run and tested here on CPU only; not run on GPUs.
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 VOCAB, DIM, SEQ, BATCH, STEPS, SEED, LR = 16, 8, 6, 8, 3, 0, 0.1
@@ -42,7 +43,7 @@ def make_batch(step):
 
 def main():
     # --8<-- [start:train]
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
@@ -60,13 +61,13 @@ def main():
 
     losses, grads = [], []
     for step in range(STEPS):
-        inputs, targets = make_batch(step)
         mine = slice(rank, None, world)  # each rank trains on its share of the batch
-        logits = engine(inputs[mine])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[mine].reshape(-1))
+        inputs, targets = (t[mine].to(engine.device) for t in make_batch(step))
+        logits = engine(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
         engine.backward(loss)
         # Full (unpartitioned) gradients, gathered from all ranks, before the update.
-        grads.append({name: deepspeed.utils.safe_get_full_grad(p).clone()
+        grads.append({name: deepspeed.utils.safe_get_full_grad(p).cpu()
                       for name, p in engine.module.named_parameters()})
         engine.step()
         mean_loss = loss.detach().clone()

@@ -8,6 +8,7 @@ Run and tested here on CPU only; not run on GPUs.
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 DIM, BATCH, STEPS, SEED, LR = 8, 8, 3, 0, 0.1
@@ -57,7 +58,7 @@ def make_batch(step):
 
 
 def main(model_class=ModuleZ3):
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
@@ -87,12 +88,12 @@ def main(model_class=ModuleZ3):
 
     losses, grads, watched = [], [], []
     for step in range(STEPS):
-        inputs, targets = make_batch(step)
         mine = slice(rank, None, world)  # each rank trains on its share of the batch
-        loss = F.mse_loss(engine(inputs[mine]), targets[mine])
+        inputs, targets = (t[mine].to(engine.device) for t in make_batch(step))
+        loss = F.mse_loss(engine(inputs), targets)
         engine.backward(loss)
         seen.append(("after engine.backward", tuple(weight.shape), weight.ds_status.name))
-        grads.append({name: deepspeed.utils.safe_get_full_grad(p).clone()
+        grads.append({name: deepspeed.utils.safe_get_full_grad(p).cpu()
                       for name, p in engine.module.named_parameters()})
         engine.step()
         mean_loss = loss.detach().clone()

@@ -12,7 +12,7 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
     "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out"],
-    "RuntimeError: mat2 must be a matrix": ["automatic_detection.out", "soft_inputs_outside.out", "gathered_in_loss.out"],
+    "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
     "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": [
