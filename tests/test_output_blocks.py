@@ -1,0 +1,119 @@
+"""Output blocks say what they are, the same way on every page.
+
+An output file (snippets/**/*.out) holds the runner's transcript (tests/runner.py,
+RunResult.transcript): each rank's stdout, rank after rank, without DeepSpeed's log lines,
+then, for a run that failed, one `Type: message` line per distinct exception. That is not
+exactly what `torchrun` prints, so every block that includes one is introduced by one of two
+fixed phrases, with a link to docs/testing.md#output-blocks, which says what the block leaves
+out. The second test runs a failing example with the real torchrun and checks what that
+section says about stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from examples import output_file
+from runner import DEEPSPEED_NOISE, ROOT, free_port, printed_by_the_example
+from test_prose_literals import FENCE, included_files, normalise, page_lines, page_name, page_outputs, pages, snippet_notation
+
+# The runner's transcript (tests/runner.py RunResult.transcript) is what an output file holds:
+# each rank's stdout, rank after rank (torchrun interleaves them), without DeepSpeed's log
+# lines, then one line per distinct exception of the ranks that failed first. So every block
+# that includes one is introduced by the same words, on every page; docs/testing.md#output-blocks
+# says what the block leaves out (stderr: warnings, tracebacks, torchrun's own report).
+LABEL = "The stdout of each rank, rank by rank ([what this block leaves out]):"
+LABEL_FAILED = "The stdout of each rank, rank by rank, then the exception the ranks raised ([what this block leaves out]):"
+LABEL_LINK = re.compile(r"\[what this block leaves out\]\(([^)]*)\)")
+# A line the runner adds to a transcript: `Type: message` of an exception, or how a rank ended.
+RUNNER_LINE = re.compile(r"^(?:\w+(?:Error|Exception|Interrupt): |rank \d+ (?:exited with code|killed by signal) )", re.M)
+RUNNER_LINE_FULL = re.compile(RUNNER_LINE.pattern + r".*\n?", re.M)
+
+
+def output_blocks(lines: list[str]) -> list[tuple[int, str, list[str]]]:
+    """(line of the fence, the paragraph before it, the output files it includes) for each
+    fenced block that includes output files."""
+    notation = snippet_notation(lines)
+    blocks = []
+    index = 0
+    while index < len(lines):
+        fence = FENCE.match(lines[index])
+        if not fence or notation[index]:
+            index += 1
+            continue
+        marker = fence.group(1)
+        closing = re.compile(rf"^\s*{re.escape(marker[0])}{{{len(marker)},}}\s*$")
+        end = index + 1
+        while end < len(lines) and not closing.match(lines[end]):
+            end += 1
+        body = [lines[n] for n in range(index + 1, min(end, len(lines)))]
+        outputs = [spec for spec, path, _ in included_files(body) if path.suffix != ".py"]
+        if outputs:
+            before = index - 1
+            while before >= 0 and not lines[before].strip():
+                before -= 1
+            paragraph = []
+            while before >= 0 and lines[before].strip() and not FENCE.match(lines[before]):
+                paragraph.insert(0, lines[before].strip())
+                before -= 1
+            blocks.append((index + 1, " ".join(paragraph), outputs))
+        index = end + 1
+    return blocks
+
+
+def label_problems(page_name: str, lines: list[str]) -> list[str]:
+    problems = []
+    texts = {spec: text for spec, text in page_outputs(lines)}
+    for line, paragraph, outputs in output_blocks(lines):
+        failed = any(RUNNER_LINE.search(texts[spec]) for spec in outputs)
+        wanted = LABEL_FAILED if failed else LABEL
+        link = LABEL_LINK.search(paragraph)
+        said = normalise(LABEL_LINK.sub("[what this block leaves out]", paragraph))
+        target = "testing.md#output-blocks"
+        if not said.endswith(wanted):
+            problems.append(
+                f"docs/{page_name}:{line}: the block with {', '.join(outputs)} must be introduced by "
+                f"{wanted!r} (with the link to {target}), right before it; the page has {paragraph[-120:]!r}"
+            )
+        elif not (link and link.group(1).endswith(target.removeprefix("testing.md" if page_name == "testing.md" else ""))):
+            problems.append(f"docs/{page_name}:{line}: the label's link must point to {target}")
+    return problems
+
+
+@pytest.mark.parametrize("page", pages(), ids=page_name)
+def test_every_output_block_is_labelled_for_what_it_is(page):
+    problems = label_problems(page_name(page), page_lines(page))
+    assert not problems, "\n" + "\n".join(problems)
+
+
+FAILING_EXAMPLE = "snippets/zero3/soft_inputs_outside.py"
+
+
+@pytest.mark.slow  # torchrun and two new interpreters, for what the reader sees on stderr
+def test_torchrun_shows_what_the_block_leaves_out():
+    """What docs/testing.md#output-blocks says about a real torchrun run of a failing example."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()))
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", FAILING_EXAMPLE]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    block = output_file(FAILING_EXAMPLE).read_text()
+    added = RUNNER_LINE_FULL.findall(block)
+    assert done.returncode != 0 and added, (done.returncode, block)
+    # stdout: the block's printed part, plus DeepSpeed's log lines, which the block leaves out.
+    assert printed_by_the_example(done.stdout) == RUNNER_LINE_FULL.sub("", block)
+    assert any(DEEPSPEED_NOISE.match(line) for line in done.stdout.splitlines()), done.stdout
+    # stderr: each rank's traceback, every line prefixed by its rank, ending in the block's line.
+    for rank in (0, 1):
+        assert f"[rank{rank}]: Traceback (most recent call last):" in done.stderr
+        for line in added:
+            assert f"[rank{rank}]: {line.rstrip()}\n" in done.stderr
+    # ... torchrun's own report, its OMP_NUM_THREADS notice, and torch's deprecation warning.
+    assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in done.stderr
+    assert "Setting OMP_NUM_THREADS environment variable for each process" in done.stderr
+    assert "FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated" in done.stderr
