@@ -93,15 +93,23 @@ def test_every_output_block_is_labelled_for_what_it_is(page):
 
 
 FAILING_EXAMPLE = "snippets/zero3/soft_inputs_outside.py"
+TRAINING_EXAMPLE = "snippets/zero3/language_model.py"
+ALL_GATHER_WARNING = "FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated"
+REDUCE_SCATTER_WARNING = "FutureWarning: `torch.distributed.reduce_scatter_tensor` is deprecated"
+
+
+def torchrun(snippet: str) -> subprocess.CompletedProcess:
+    """The command the page shows, run for real as a reader would (no OMP_NUM_THREADS of ours)."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()))
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", snippet]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow  # torchrun and two new interpreters, for what the reader sees on stderr
 def test_torchrun_shows_what_the_block_leaves_out():
     """What docs/testing.md#output-blocks says about a real torchrun run of a failing example."""
-    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()))
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", FAILING_EXAMPLE]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun(FAILING_EXAMPLE)
     block = output_file(FAILING_EXAMPLE).read_text()
     added = RUNNER_LINE_FULL.findall(block)
     assert done.returncode != 0 and added, (done.returncode, block)
@@ -116,4 +124,17 @@ def test_torchrun_shows_what_the_block_leaves_out():
     # ... torchrun's own report, its OMP_NUM_THREADS notice, and torch's deprecation warning.
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in done.stderr
     assert "Setting OMP_NUM_THREADS environment variable for each process" in done.stderr
-    assert "FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated" in done.stderr
+    assert ALL_GATHER_WARNING in done.stderr
+
+
+@pytest.mark.slow  # torchrun and two new interpreters, for what the reader sees on stderr
+def test_torchrun_warnings_of_a_training_example():
+    """A ZeRO-3 example that trains: its block is its stdout without DeepSpeed's log lines; stderr
+    repeats torch's deprecation warnings for the collectives DeepSpeed calls."""
+    done = torchrun(TRAINING_EXAMPLE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert printed_by_the_example(done.stdout) == output_file(TRAINING_EXAMPLE).read_text()
+    assert any(DEEPSPEED_NOISE.match(line) for line in done.stdout.splitlines()), done.stdout
+    assert "Setting OMP_NUM_THREADS environment variable for each process" in done.stderr
+    # more than once per rank: the page says "repeated"
+    assert done.stderr.count(ALL_GATHER_WARNING) > 2 and done.stderr.count(REDUCE_SCATTER_WARNING) > 2, done.stderr
