@@ -41,7 +41,11 @@ Normalisation
     file) counts as one space, in the literal and in the output. A literal must not start or
     end in the middle of a word or number of the output: `1.0` does not match `1.0913`.
     `…` in a literal stands for left-out text: the pieces around it must occur in that order
-    within one line of an output file. A prose number must occur as a whole number.
+    within one line of an output file. A prose number must occur as a whole number. Escaped
+    notation (`;--8<--`) is checked as the page shows it, without the `;`.
+
+Also: no line of prose may hold an unescaped section marker (`--8<-- [start:name]`), which
+pymdownx.snippets would remove from the page without a word.
 """
 
 from __future__ import annotations
@@ -117,6 +121,23 @@ def snippet_notation(lines: list[str]) -> list[bool]:
     return snippet_preprocessor().get_syntax_mask(lines)
 
 
+def unescaped(lines: list[str]) -> list[str]:
+    """The lines as the page shows them: pymdownx.snippets removes the `;` that escapes snippet
+    notation (`;--8<-- "…"`, `# ;--8<-- [start:name]`)."""
+    pre = snippet_preprocessor()
+    shown = []
+    for line in lines:
+        match = pre.RE_ALL_SNIPPETS.match(line)
+        section = pre.match_section(line)
+        if match and match.group("escape"):
+            line = line.replace(";", "", 1)
+        elif section and section.group("escape"):
+            line = (section.group("pre") + section.group("escape").replace(";", "", 1)
+                    + section.group("inline_marker") + section.group("section") + section.group("post"))
+        shown.append(line)
+    return shown
+
+
 def included_files(lines: list[str]) -> list[tuple[str, Path, str]]:
     """(target as written, resolved file, included text) for every include on a page."""
     pre = snippet_preprocessor()
@@ -183,6 +204,7 @@ def page_lines(page: Path) -> list[str]:
 
 def literals(page_name: str, lines: list[str]) -> list[Literal]:
     notation = snippet_notation(lines)
+    lines = unescaped(lines)
     found: list[Literal] = []
     paragraph: list[tuple[int, str]] = []
 
@@ -365,6 +387,31 @@ def test_allowlist_has_no_stale_entries():
         f"{ALLOWLIST_NAME}:{entry.line}: {entry.page}\t{entry.literal} is stale: no literal on "
         f"{'any page' if entry.page == '*' else 'docs/' + entry.page} needs it (it changed, or an output now shows it); "
         f"remove the line" for entry in stale
+    )
+
+
+def removed_lines(lines: list[str]) -> list[int]:
+    """Line numbers of page lines that pymdownx.snippets drops without a word: a line of prose
+    that holds an unescaped section marker (`--8<-- [start:name]`)."""
+    pre = snippet_preprocessor()
+    removed, block = [], False
+    for number, line in enumerate(lines, start=1):
+        match = pre.RE_ALL_SNIPPETS.match(line)
+        if match:
+            block = block != (not match.group("inline_marker") and not match.group("escape"))
+            continue
+        section = pre.match_section(line)
+        if not block and section and not section.group("escape"):
+            removed.append(number)
+    return removed
+
+
+@pytest.mark.parametrize("page", pages(), ids=page_name)
+def test_no_line_of_the_page_is_silently_removed(page):
+    removed = removed_lines(page_lines(page))
+    assert not removed, "\n".join(
+        f"docs/{page_name(page)}:{number}: pymdownx.snippets removes this line from the page (it holds a "
+        f"section marker); write the marker as `# ;--8<-- [start:name]`, one per line" for number in removed
     )
 
 
