@@ -131,6 +131,12 @@ def forced() -> str | None:
     return None
 
 
+def skipped() -> bool:
+    """NOTEBOOKS_EXECUTE=never: render the notebooks without outputs (for builds of copies that
+    test something else). Never in CI, and never cached."""
+    return os.environ.get(FORCE_VARIABLE) == "never" and not forced()
+
+
 def reusable(root: Path, entry_path: Path, key: str) -> tuple[dict | None, str]:
     """The cache entry if it is valid for `key` and every input is unchanged; else why not."""
     if not entry_path.is_file():
@@ -166,8 +172,11 @@ def reads_of(root: Path, log_path: Path, site_dir: Path) -> dict[str, str]:
     return dict(sorted(inputs.items()))
 
 
-def execute(notebook: Path, root: Path, site_dir: Path) -> dict:
-    """Run the notebook in a kernel (cwd: the project root) and render it as mkdocs-jupyter does."""
+def execute(notebook: Path, root: Path, site_dir: Path, execute_it: bool = True) -> dict:
+    """Run the notebook in a kernel and render it as mkdocs-jupyter does (no "In [1]:" prompts).
+
+    The kernel starts in the notebook's directory, as Jupyter starts it.
+    """
     from mkdocs_jupyter import convert, nbconvert2  # seconds to import: only when a notebook runs
     from mkdocs_jupyter.plugin import _get_nb_toc_tokens
     from traitlets.config import Config
@@ -180,7 +189,8 @@ def execute(notebook: Path, root: Path, site_dir: Path) -> dict:
             "KernelManager": {"transport": "ipc"},  # no TCP ports: no unencrypted-TCP warning
             "ExecutePreprocessor": {**app.config["ExecutePreprocessor"], "timeout": CELL_TIMEOUT},
         }))
-        assert app.config.ExecutePreprocessor.enabled and not app.config.ExecutePreprocessor.allow_errors
+        assert app.config.ExecutePreprocessor.enabled == execute_it
+        assert not app.config.ExecutePreprocessor.allow_errors
         return app
 
     with tempfile.TemporaryDirectory(prefix="notebook-reads-") as tmp:
@@ -195,10 +205,10 @@ def execute(notebook: Path, root: Path, site_dir: Path) -> dict:
         cwd = os.getcwd()
         started = time.perf_counter()
         try:
-            os.chdir(root)
+            os.chdir(notebook.parent)  # where Jupyter starts a notebook's kernel
             html = convert.nb2html(
-                str(notebook), execute=True, kernel_name="", theme="", allow_errors=False,
-                show_input=True, no_input=False, no_prompt=False, remove_tag_config={},
+                str(notebook), execute=execute_it, kernel_name="", theme="", allow_errors=False,
+                show_input=True, no_input=False, no_prompt=True, remove_tag_config={},
                 highlight_extra_classes="", include_requirejs=False, custom_mathjax_url="",
             )
         except Exception as error:
@@ -226,6 +236,12 @@ def notebook_page(page, config) -> None:
     notebook = Path(page.file.abs_src_path)
     entry_path = cache_file(root, page.file.src_uri)
     key = cache_key(notebook)
+    if skipped():
+        log.info(f"Notebook {page.file.src_uri}: not executed ({FORCE_VARIABLE}=never): "
+                 "the page shows no outputs")
+        entry = execute(notebook, root, Path(config.site_dir).resolve(), execute_it=False)
+        page.content, page.toc = entry["html"], get_toc(entry["toc_tokens"])
+        return
     why = forced()
     entry = None
     if why is None:
@@ -262,8 +278,26 @@ def on_pre_page(page, config, files):
     return page
 
 
+# Notebook pages, read like the rest of the site: a code cell wider than the page scrolls
+# sideways with a visible scrollbar, as Material's code blocks do; the plot keeps a legible
+# minimum width and scrolls sideways on a phone instead of shrinking.
+NOTEBOOK_CSS = """<style>
+.jupyter-wrapper .highlight-ipynb {
+  overflow-x: auto; scrollbar-width: thin;
+  scrollbar-color: var(--md-default-fg-color--lighter) transparent;
+}
+.jupyter-wrapper .jp-RenderedImage {
+  overflow-x: auto; scrollbar-width: thin;
+  scrollbar-color: var(--md-default-fg-color--lighter) transparent;
+}
+.jupyter-wrapper .jp-RenderedImage img { max-width: 100%; min-width: 680px; }
+</style>"""
+
+
 def on_post_page(output, page, config):
-    if isinstance(page.file, NotebookFile):  # offer the notebook's source for download
+    if isinstance(page.file, NotebookFile):
+        output = output.replace("</head>", NOTEBOOK_CSS + "\n</head>", 1)
+        # Offer the notebook's source for download.
         target = Path(page.file.abs_dest_path).parent / Path(page.file.src_uri).name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(page.file.abs_src_path, target)
