@@ -213,7 +213,7 @@ def execute(notebook: Path, root: Path, site_dir: Path, execute_it: bool = True)
             )
         except Exception as error:
             raise PluginError(f"{notebook.relative_to(root)}: a cell failed, so the page cannot be "
-                              f"built:\n{error}") from error
+                              f"built:\n{type(error).__name__}: {error}") from error
         finally:
             os.chdir(cwd)
             nbconvert2.get_nbconvert_app = make_app
@@ -290,7 +290,10 @@ NOTEBOOK_CSS = """<style>
   overflow-x: auto; scrollbar-width: thin;
   scrollbar-color: var(--md-default-fg-color--lighter) transparent;
 }
-.jupyter-wrapper .jp-RenderedImage img { max-width: 100%; min-width: 680px; }
+.jupyter-wrapper .jp-RenderedImage img { max-width: 100%; }
+@media screen and (max-width: 719px) {
+  .jupyter-wrapper .jp-RenderedImage img { min-width: 640px; }
+}
 </style>"""
 
 

@@ -95,9 +95,10 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 
 PARAMS = ["embeddings.weight", "mixer.weight", "mixer.bias"]
-FONT_POINTS = 12  # the smallest text in the figure
+FONT_POINTS = 12
+SMALLEST_POINTS = 10.5  # the column headers: the smallest text
 DPI = 100
-WIDTH_INCHES = 8.4
+WIDTH_INCHES = 7.6
 
 
 def moment_label(event):
@@ -113,30 +114,30 @@ def full(event, name):
 
 
 plt.rcParams.update({"font.size": FONT_POINTS,
-                     "axes.titlesize": FONT_POINTS + 1})
+                     "xtick.labelsize": SMALLEST_POINTS})
 fig, axes = plt.subplots(
-    2, 2, figsize=(WIDTH_INCHES, 10.5), dpi=DPI, sharex=True,
+    2, 2, figsize=(WIDTH_INCHES, 10), dpi=DPI, sharex=True,
     sharey="row", constrained_layout=True)
 # 0: not held; 1: mixer's weight held; 2: embeddings.weight held
 colors = ListedColormap(["#eceff1", "#3949ab", "#ef6c00"])
+# Column edges: embeddings.weight, the longest name, gets the widest.
+edges = [0, 1.5, 2.5, 3.5]
 for column, (variant, run_of) in enumerate(timeline.items()):
     for step in (0, 1):
         ax = axes[step, column]
         events = [e for e in run_of["events"] if e["step"] == step]
         grid = [[(2 if name == PARAMS[0] else 1) * full(e, name)
                  for name in PARAMS] for e in events]
-        ax.imshow(grid, aspect="auto", cmap=colors, vmin=0, vmax=2)
+        ax.pcolormesh(edges, range(len(events) + 1), grid, cmap=colors,
+                      vmin=0, vmax=2, edgecolors="white", linewidth=2)
+        ax.set_ylim(len(events), 0)  # time runs down
         ax.set_title(f"{variant}, step {step}")
-        ax.set_yticks(range(len(events)),
+        ax.set_yticks([y + 0.5 for y in range(len(events))],
                       [moment_label(e) for e in events])
-        ax.set_xticks(range(len(PARAMS)),
+        ax.set_xticks([(a + b) / 2 for a, b in zip(edges, edges[1:])],
                       [n.replace(".", "\n.") for n in PARAMS])
         ax.tick_params(top=True, labeltop=step == 0,
-                       bottom=False, labelbottom=False)
-        ax.set_xticks([x + 0.5 for x in range(len(PARAMS))], minor=True)
-        ax.set_yticks([y + 0.5 for y in range(len(events))], minor=True)
-        ax.grid(which="minor", color="white", linewidth=2)
-        ax.tick_params(which="minor", length=0)
+                       bottom=False, labelbottom=False, length=0)
 fig.suptitle("colored: the rank holds the full weight\n"
              "grey: only its empty partition, shape (0,)")
 plt.show()
