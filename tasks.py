@@ -244,9 +244,9 @@ def jupyter_environment() -> dict[str, str]:
     return {**environment(), "JUPYTERLAB_SETTINGS_DIR": str(JUPYTERLAB_SETTINGS)}
 
 
-def jupyter_lab_command(rest: list[str]) -> list[str]:
+def jupyter_lab_command(rest: list[str], root: Path = ROOT) -> list[str]:
     """JupyterLab on the project's environment, rooted at the checkout, opening the notebook."""
-    return [str(PYTHON), "-m", "jupyterlab", f"--ServerApp.root_dir={ROOT}", *rest, NOTEBOOK]
+    return [str(PYTHON), "-m", "jupyterlab", f"--ServerApp.root_dir={root}", *rest, NOTEBOOK]
 
 
 def pytest_arguments(rest: list[str]) -> list[str]:
