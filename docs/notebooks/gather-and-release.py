@@ -95,10 +95,10 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 
 PARAMS = ["embeddings.weight", "mixer.weight", "mixer.bias"]
-FONT_POINTS = 12
-SMALLEST_POINTS = 10.5  # the column headers: the smallest text
+FONT_POINTS = 11.5
+SMALLEST_POINTS = 11  # the column headers: the smallest text
 DPI = 100
-WIDTH_INCHES = 7.6
+WIDTH_INCHES = 7.3
 
 
 def moment_label(event):
