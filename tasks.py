@@ -246,7 +246,8 @@ def jupyter_environment() -> dict[str, str]:
 
 def jupyter_lab_command(rest: list[str], root: Path = ROOT) -> list[str]:
     """JupyterLab on the project's environment, rooted at the checkout, opening the notebook."""
-    return [str(PYTHON), "-m", "jupyterlab", f"--ServerApp.root_dir={root}", *rest, NOTEBOOK]
+    as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers and CI run as root
+    return [str(PYTHON), "-m", "jupyterlab", f"--ServerApp.root_dir={root}", *as_root, *rest, NOTEBOOK]
 
 
 def pytest_arguments(rest: list[str]) -> list[str]:
