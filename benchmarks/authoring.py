@@ -133,6 +133,14 @@ def suite(options: list[str], durations: int) -> tuple[float, float, str, list[s
     return wall, cpu, (lines[-1].strip("= ") if lines else "(no output)"), slowest
 
 
+class Rows(list):
+    """The figures; each is also printed as soon as it is measured (a long suite may not finish)."""
+
+    def append(self, row):
+        super().append(row)
+        print("measured:", row[0], f"{row[1]:.2f} s wall", row[4], flush=True)
+
+
 def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -144,7 +152,7 @@ def main() -> int:
     parser.add_argument("--durations", type=int, default=15, help="slowest tests to list per suite")
     args = parser.parse_args()
     print(f"load average before: {load()} (on {os.cpu_count()} cores)", flush=True)
-    rows = []
+    rows = Rows()
 
     reloads = serve_reload(args.repeat)
     rows.append(("serve reload after a Markdown edit", statistics.median(reloads), None, 2.0,

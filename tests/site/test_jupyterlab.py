@@ -82,7 +82,7 @@ def test_tasks_notebook_opens_and_runs_the_notebook_in_jupyterlab(browser_contex
         page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for()
         assert page.locator(".jp-FileEditor").count() == 0
         page.locator(".lm-MenuBar-itemLabel", has_text="Run").click()
-        page.locator("li.lm-Menu-item[data-command='notebook:run-all-cells']").click()
+        page.locator(".lm-Menu .lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
         outputs = page.locator(".jp-NotebookPanel .jp-OutputArea-output")
         page.wait_for_function(
             "() => [...document.querySelectorAll('.jp-NotebookPanel .jp-OutputArea-output')]"
