@@ -150,10 +150,13 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="edits and warm builds to take the median of")
     parser.add_argument("--skip-suite", action="store_true", help="leave out the two suite figures")
     parser.add_argument("--durations", type=int, default=15, help="slowest tests to list per suite")
+    parser.add_argument("--suites-only", action="store_true", help="only the two suite figures")
     args = parser.parse_args()
     print(f"load average before: {load()} (on {os.cpu_count()} cores)", flush=True)
     rows = Rows()
 
+    if args.suites_only:
+        return suites_and_report(args, rows)
     reloads = serve_reload(args.repeat)
     rows.append(("serve reload after a Markdown edit", statistics.median(reloads), None, 2.0,
                  "median of " + ", ".join(f"{s:.2f}" for s in reloads)))
@@ -172,6 +175,10 @@ def main() -> int:
         executed = next((line.split(": ", 1)[1] for line in done.stderr.splitlines() if "executed in" in line), "?")
         rows.append(("strict build (notebook executed)", wall, cpu, None, executed))
 
+    return suites_and_report(args, rows)
+
+
+def suites_and_report(args, rows) -> int:
     slowest = {}
     if not args.skip_suite:
         for name, options, target in [("full suite (tasks.py test)", [], 60.0),
