@@ -186,7 +186,9 @@ def execute(notebook: Path, root: Path, site_dir: Path, execute_it: bool = True)
     def app_with_ipc_kernel(**options):
         app = make_app(**options)
         app.config.merge(Config({
-            "KernelManager": {"transport": "ipc"},  # no TCP ports: no unencrypted-TCP warning
+            # No TCP ports: no unencrypted-TCP warning. The IPC sockets go to a temporary
+            # directory, not to the kernel's working directory (docs/notebooks/).
+            "KernelManager": {"transport": "ipc", "ip": str(Path(tmp) / "kernel")},
             "ExecutePreprocessor": {**app.config["ExecutePreprocessor"], "timeout": CELL_TIMEOUT},
         }))
         assert app.config.ExecutePreprocessor.enabled == execute_it

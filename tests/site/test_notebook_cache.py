@@ -109,6 +109,8 @@ def test_the_run_records_every_project_file_it_read(project, entry):
     # The script, the module it imports, the file it reads; not the notebook (it is in the
     # key), not the file no run touched.
     assert sorted(cached["inputs"]) == ["snippets/tiny/data.txt", "snippets/tiny/helper.py", "snippets/tiny/run.py"]
+    # The kernel's IPC sockets went to a temporary directory, not next to the notebook.
+    assert [p.name for p in (project / "docs" / "notebooks").iterdir()] == ["tiny.py"]
 
 
 def test_nothing_changed_reuses_the_output(project, entry):
