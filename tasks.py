@@ -4,9 +4,11 @@
     python3 tasks.py serve [mkdocs serve options]   build and serve the site locally
     python3 tasks.py test  [pytest options]         run the whole test suite
     python3 tasks.py test --quick [pytest options]  only the examples and pages (no `slow` tests)
+    python3 tasks.py notebook [jupyter lab options] open the walkthrough notebook in JupyterLab
 
-`test` runs pytest on both cores (pytest-xdist: -n 2, a test file's tests on one
-worker); pass -n 0 to run in one process.
+`test` runs pytest on every core (pytest-xdist: -n os.cpu_count(), a test file's tests
+on one worker); pass -n 0 to run in one process. `serve` reuses the notebook's last
+executed output while nothing it depends on changed (hooks/notebooks.py).
 
 Both create (or reuse) the virtual environment `.venv/` and install exactly the
 versions in `constraints.txt`. Standard library only: this file runs before
@@ -132,7 +134,7 @@ def install_locked() -> None:
     #    (which would resolve a torch of its own).
     pip_install("--no-build-isolation", "deepspeed")
     # 3. Everything else declared in pyproject.toml.
-    pip_install("--no-build-isolation", "-e", ".[test]")
+    pip_install("--no-build-isolation", "-e", ".[test,lint,notebook]")
     problems = environment_problems()
     if problems:
         die("the install finished but the environment still does not match constraints.txt:\n  "
@@ -189,7 +191,7 @@ def run_in_venv(*args: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"serve", "test", "install"}:
+    if not argv or argv[0] not in {"serve", "test", "notebook", "install"}:
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
@@ -210,6 +212,8 @@ def main(argv: list[str]) -> int:
                 f"python3 tasks.py serve --dev-addr 127.0.0.1:8001")
         print(f"Serving the site on http://{address}/  (Ctrl-C stops)", flush=True)
         return run_in_venv("-m", "mkdocs", "serve", *rest)
+    if command == "notebook":
+        return subprocess.run(jupyter_lab_command(rest), cwd=ROOT, env=jupyter_environment()).returncode
     return run_in_venv("-m", "pytest", *pytest_arguments(rest))
 
 
@@ -227,6 +231,25 @@ def port_taken(address: str) -> str | None:
     return None
 
 
+NOTEBOOK = "docs/notebooks/gather-and-release.py"
+# JupyterLab opens a jupytext .py as text by default; these settings make its default
+# viewer jupytext's notebook, so the walkthrough opens as a notebook at once.
+JUPYTERLAB_SETTINGS = ROOT / ".cache" / "jupyterlab-settings"
+
+
+def jupyter_environment() -> dict[str, str]:
+    settings = JUPYTERLAB_SETTINGS / "@jupyterlab" / "docmanager-extension" / "plugin.jupyterlab-settings"
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text('{"defaultViewers": {"python": "Jupytext Notebook"}}\n')
+    return {**environment(), "JUPYTERLAB_SETTINGS_DIR": str(JUPYTERLAB_SETTINGS)}
+
+
+def jupyter_lab_command(rest: list[str], root: Path = ROOT) -> list[str]:
+    """JupyterLab on the project's environment, rooted at the checkout, opening the notebook."""
+    as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers and CI run as root
+    return [str(PYTHON), "-m", "jupyterlab", f"--ServerApp.root_dir={root}", *as_root, *rest, NOTEBOOK]
+
+
 def pytest_arguments(rest: list[str]) -> list[str]:
     """`rest` with --quick turned into a marker expression and two workers unless -n was given."""
     arguments = []
@@ -240,9 +263,9 @@ def pytest_arguments(rest: list[str]) -> list[str]:
     # `-p no:xdist` turns pytest-xdist off: then there is no -n to pass.
     xdist_off = any(a in {"no:xdist", "-pno:xdist"} for a in arguments)
     if not chose_workers and not xdist_off:
-        # Both cores of this machine; a file's tests stay on one worker, so its module
-        # fixtures are set up once (the workers share one site build: tests/test_site.py).
-        arguments = ["-n", "2", "--dist", "loadfile", *arguments]
+        # One worker per core of this machine; a file's tests stay on one worker, so its
+        # module fixtures are set up once (the workers share one site build: tests/test_site.py).
+        arguments = ["-n", str(os.cpu_count() or 1), "--dist", "loadfile", *arguments]
     return arguments
 
 

@@ -5,6 +5,7 @@ file and section that exist; every snippet documents its torchrun command (the c
 tests/test_snippets.py runs it with) and has an output file.
 """
 
+import importlib.util
 import re
 
 import pytest
@@ -98,7 +99,11 @@ def test_every_section_marker_is_matched_and_used_by_a_page(snippet_file):
 
 
 def test_an_output_mismatch_names_the_pages_shows_the_whole_diff_and_how_to_update():
-    from conftest import output_mismatch
+    # By path: `import conftest` gets tests/site/conftest.py once that directory is collected.
+    spec = importlib.util.spec_from_file_location("tests_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    output_mismatch = conftest.output_mismatch
 
     out = ROOT / "snippets" / "zero3" / "language_model.out"
     expected = "".join(f"line {i}\n" for i in range(40))

@@ -27,7 +27,9 @@ NOTEBOOK = Path("docs") / "notebooks" / "gather-and-release.py"
 
 
 def build(project_dir, site_dir, **env):
+    """`mkdocs build --strict`; a variable given as None is removed from the environment."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", **env}
+    env = {name: value for name, value in env.items() if value is not None}
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
         cwd=project_dir, env=env, capture_output=True, text=True, timeout=900,
@@ -49,8 +51,11 @@ def record_strict_build(base: Path) -> None:
     """Build the real project into base/site and keep the finished process in base/build.json."""
     # Served at the root of a local server by the browser tests, whatever SITE_URL the
     # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
+    # NOTEBOOKS_EXECUTE=always: the notebook runs for real, whatever .cache/ holds (and the
+    # run refreshes the cache, so `tasks.py serve` starts warm after the suite).
     done = build(ROOT, base / "site", SITE_URL="http://127.0.0.1:8000/",
-                 EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/")
+                 EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/",
+                 NOTEBOOKS_EXECUTE="always")
     (base / "build.json").write_text(json.dumps(
         {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}))
 
@@ -137,12 +142,24 @@ def test_the_notebook_ran_while_the_site_was_built():
     assert result.returncode == 0, result.stderr
     page = (site / "notebooks" / "gather-and-release" / "index.html").read_text()
     assert "Converting notebook (execute=True)" in result.stderr
+    assert "Notebook notebooks/gather-and-release.py: executing (" in result.stderr
+    assert "reusing the run" not in result.stderr
     # Outputs exist only because the cells ran: the run's summary, the checks, the plot.
     assert "registered: 20 moments recorded, losses [3.7219, 4.0055]" in page
+    assert "stage3_max_reuse_distance: 1000000000 parameter elements" in page
     assert "all checks passed" in page
     assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == 1
     # The notebook's source is offered for download next to the page.
     assert (site / "notebooks" / "gather-and-release" / "gather-and-release.py").read_text() == (ROOT / NOTEBOOK).read_text()
+
+
+def test_the_build_prints_only_what_the_author_must_act_on():
+    result, _ = strict_build()
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    # The Jupyter kernel talks to the build over IPC: no warning about unencrypted TCP.
+    assert "without encryption" not in output and "[IPKernelApp]" not in output, output
+    assert not re.search(r"^(WARNING|ERROR)\b", output, re.M), output
 
 
 def test_every_page_has_an_edit_link_when_edit_uri_is_set():
@@ -169,12 +186,11 @@ def project_copy(tmp_path):
 
 
 @pytest.fixture
-def project_copy_without_notebook_runs(project_copy):
-    """A copy whose build does not execute the notebook: 4 s instead of 17 s, for tests about snippet includes."""
-    config = project_copy / "mkdocs.yml"
-    text, count = re.subn(r"^(\s+execute:) true\b", r"\1 false", config.read_text(), flags=re.M)
-    assert count == 1, "mkdocs.yml no longer has mkdocs-jupyter's `execute: true`"
-    config.write_text(text)
+def project_copy_without_notebook_runs(project_copy, monkeypatch):
+    """A copy whose builds do not execute the notebook (NOTEBOOKS_EXECUTE=never, and not as CI,
+    which always executes): for tests about snippet includes."""
+    monkeypatch.setenv("NOTEBOOKS_EXECUTE", "never")
+    monkeypatch.delenv("CI", raising=False)
     return project_copy
 
 
@@ -217,3 +233,4 @@ def test_failing_notebook_cell_fails_the_build(project_copy, tmp_path):
     assert result.returncode != 0
     stderr = re.sub(r"\x1b\[[0-9;]*m", "", result.stderr)  # the kernel's traceback is colored
     assert "CellExecutionError" in stderr and "RuntimeError: deliberately broken cell" in stderr, stderr[-3000:]
+    assert "a cell failed, so the page cannot be built" in stderr

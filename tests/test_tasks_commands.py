@@ -66,7 +66,7 @@ def make_scratch_project(tmp_path: Path) -> Path:
     # and the project; every other line of tasks.py is the real one.
     text = (tmp_path / "tasks.py").read_text()
     for step in ('pip_install("torch", "setuptools")', 'pip_install("--no-build-isolation", "deepspeed")',
-                 'pip_install("--no-build-isolation", "-e", ".[test]")'):
+                 'pip_install("--no-build-isolation", "-e", ".[test,lint,notebook]")'):
         assert step in text, step
         text = text.replace(step, 'pip_install("iniconfig")')
     (tmp_path / "tasks.py").write_text(text)
@@ -154,7 +154,7 @@ def test_serve_on_a_taken_port_says_so_at_once_and_how_to_choose_another():
 
 
 @pytest.mark.parametrize("args, workers", [
-    (["--quick"], ["-n", "2", "--dist", "loadfile"]),
+    (["--quick"], ["-n", str(os.cpu_count() or 1), "--dist", "loadfile"]),
     (["--quick", "-p", "no:xdist"], []),
     (["-pno:xdist"], []),
     (["-n", "0"], []),

@@ -20,13 +20,20 @@
 # and when it is released again, in forward and in backward, with and without
 # `register_external_parameter`.
 #
-# After reading it you will be able to record this timeline for your own model with four
-# module hooks, and to read from it which module's `forward` gathers a shared weight.
+# After reading it you will be able to record this timeline for your own model with three
+# kinds of module hook, and to read from it which module's `forward` gathers a shared weight.
 #
 # Everything below was produced by running this notebook when the site was built; a failing
-# cell fails the build. To run it yourself, open `docs/notebooks/gather-and-release.py` in
-# Jupyter with [jupytext](https://jupytext.readthedocs.io/) from a checkout of this repository,
-# inside the environment `python3 tasks.py` made.
+# cell fails the build. To run it yourself in JupyterLab, from a checkout of this
+# repository:
+#
+# ```bash
+# python3 tasks.py notebook
+# ```
+#
+# It installs JupyterLab and jupytext into the project's environment (`.venv/`) and opens
+# this file, `docs/notebooks/gather-and-release.py`, as a notebook; run it with
+# *Run > Run All Cells*.
 
 # %% [markdown]
 # ## Run the example on two ranks
@@ -47,23 +54,29 @@ import tempfile
 from pathlib import Path
 
 root = Path.cwd()
-while not (root / "snippets" / "notebooks" / "gather_timeline.py").is_file():
+script = Path("snippets", "notebooks", "gather_timeline.py")
+while not (root / script).is_file():
     if root == root.parent:
-        raise FileNotFoundError("run this notebook from inside a checkout of the repository")
+        raise FileNotFoundError("run this notebook inside a checkout "
+                                "of the repository")
     root = root.parent
 
 events_file = Path(tempfile.mkdtemp()) / "events.json"
-command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "snippets/notebooks/gather_timeline.py", str(events_file)]
-print("DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/notebooks/gather_timeline.py",
+print("DS_ACCELERATOR=cpu torchrun --nproc_per_node 2", script,
       events_file.name)
-run = subprocess.run(command, cwd=root, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                     capture_output=True, text=True, timeout=900)
+run = subprocess.run(
+    [sys.executable, "-m", "torch.distributed.run",
+     "--nproc_per_node", "2", str(script), str(events_file)],
+    cwd=root, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    capture_output=True, text=True, timeout=900)
 if run.returncode != 0:
-    raise RuntimeError(f"the run failed with exit code {run.returncode}:\n{run.stderr[-3000:]}")
-timeline = json.loads(events_file.read_text())
-for variant, recorded in timeline.items():
-    print(f"{variant:>15}: {len(recorded['events'])} moments recorded, losses {recorded['losses']}")
+    raise RuntimeError(f"the run failed with exit code "
+                       f"{run.returncode}:\n{run.stderr[-3000:]}")
+recorded = json.loads(events_file.read_text())
+timeline = recorded["variants"]
+for variant, run_of in timeline.items():
+    print(f"{variant:>15}: {len(run_of['events'])} moments recorded, "
+          f"losses {run_of['losses']}")
 
 # %% [markdown]
 # Both variants train to the same losses: the registration changes *when* the weight is
@@ -72,15 +85,20 @@ for variant, recorded in timeline.items():
 # %% [markdown]
 # ## The timeline
 #
-# One row per parameter, labelled with the module that owns it; one column per moment a hook
-# fired, in order, for two training steps. A dark cell means the rank held the full weight at
-# that moment; a light cell means it held only its empty partition, shape `(0,)`.
+# Time runs down the page: one row per moment a hook fired, in order, for two training
+# steps. One column per parameter. A colored cell means the rank held the full weight at
+# that moment; a grey cell means it held only its empty partition, shape `(0,)`.
+# `embeddings.weight` is orange.
 
 # %%
 import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 
 PARAMS = ["embeddings.weight", "mixer.weight", "mixer.bias"]
+FONT_POINTS = 11.5
+SMALLEST_POINTS = 11  # the column headers: the smallest text
+DPI = 100
+WIDTH_INCHES = 7.3
 
 
 def moment_label(event):
@@ -95,35 +113,45 @@ def full(event, name):
     return event["params"][name]["shape"] != [0]
 
 
-plt.rcParams["font.size"] = 11
-fig, axes = plt.subplots(2, 1, figsize=(11, 8), sharex=True, constrained_layout=True)
-fig.suptitle("dark: the rank holds the full weight    light: only its empty partition, shape (0,)")
-for ax, (variant, recorded) in zip(axes, timeline.items()):
-    events = recorded["events"]
-    grid = [[1 if full(e, name) else 0 for e in events] for name in PARAMS]
-    ax.imshow(grid, aspect="auto", cmap=ListedColormap(["#e8eaf6", "#3949ab"]), vmin=0, vmax=1)
-    ax.set_yticks(range(len(PARAMS)),
-                  [f"{n.split('.')[0]}: {n.split('.')[1]}" for n in PARAMS])
-    boundary = next(i for i, e in enumerate(events) if e["step"] == 1) - 0.5
-    ax.axvline(boundary, color="black", linewidth=2)
-    ax.set_title(f"embeddings.weight {variant} (step 0 | step 1)", loc="left")
-    ax.set_xticks(range(len(events)), [moment_label(e) for e in events], rotation=90)
-    ax.set_xticks([x + 0.5 for x in range(len(events))], minor=True)
-    ax.set_yticks([y + 0.5 for y in range(len(PARAMS))], minor=True)
-    ax.grid(which="minor", color="white", linewidth=1)
-    ax.tick_params(which="minor", length=0)
+plt.rcParams.update({"font.size": FONT_POINTS,
+                     "xtick.labelsize": SMALLEST_POINTS})
+fig, axes = plt.subplots(
+    2, 2, figsize=(WIDTH_INCHES, 10), dpi=DPI, sharex=True,
+    sharey="row", constrained_layout=True)
+# 0: not held; 1: mixer's weight held; 2: embeddings.weight held
+colors = ListedColormap(["#eceff1", "#3949ab", "#ef6c00"])
+# Column edges: embeddings.weight, the longest name, gets the widest.
+edges = [0, 1.5, 2.5, 3.5]
+for column, (variant, run_of) in enumerate(timeline.items()):
+    for step in (0, 1):
+        ax = axes[step, column]
+        events = [e for e in run_of["events"] if e["step"] == step]
+        grid = [[(2 if name == PARAMS[0] else 1) * full(e, name)
+                 for name in PARAMS] for e in events]
+        ax.pcolormesh(edges, range(len(events) + 1), grid, cmap=colors,
+                      vmin=0, vmax=2, edgecolors="white", linewidth=2)
+        ax.set_ylim(len(events), 0)  # time runs down
+        ax.set_title(f"{variant}, step {step}")
+        ax.set_yticks([y + 0.5 for y in range(len(events))],
+                      [moment_label(e) for e in events])
+        ax.set_xticks([(a + b) / 2 for a, b in zip(edges, edges[1:])],
+                      [n.replace(".", "\n.") for n in PARAMS])
+        ax.tick_params(top=True, labeltop=step == 0,
+                       bottom=False, labelbottom=False, length=0)
+fig.suptitle("colored: the rank holds the full weight\n"
+             "grey: only its empty partition, shape (0,)")
 plt.show()
 
 # %% [markdown]
 # ## What the timeline shows
 #
-# **Registered (top).** In step 0, `embeddings.weight` is full from the start of
+# **Registered (left), step 0.** `embeddings.weight` is full from the start of
 # `LanguageModel.forward` to its end: the registration asks DeepSpeed to gather it for
 # `LanguageModel.forward`, the forward that reads it in
 # `compute_logits(hidden, self.embeddings.weight)`. `mixer`'s weights are full only during
 # `mixer.forward`. At the end of `LanguageModel.forward` everything is released again.
 #
-# **Not registered (bottom), step 0.** `embeddings.weight` is full only while
+# **Not registered (right), step 0.** `embeddings.weight` is full only while
 # `embeddings.forward` runs, like any module's own weight, and is already released when
 # `mixer.forward` starts. The read in `LanguageModel.forward` still works: DeepSpeed gathers
 # the weight when it is read and registers it on `LanguageModel` itself (this is the
@@ -137,6 +165,17 @@ plt.show()
 # read release points off the first step alone. In both steps, nothing is held in full once
 # `engine.backward` returns.
 #
+# **Why step 1 keeps them** (a reading of DeepSpeed's source,
+# `deepspeed/runtime/zero/partitioned_param_coordinator.py`; the cell below checks only what
+# the timeline shows): during step 0 DeepSpeed records the order in which modules run. From
+# then on, at the end of a module's forward it does not release a weight that a module due
+# to run soon uses again. "Soon" is the ZeRO-3 setting `stage3_max_reuse_distance`, counted in
+# parameter elements: DeepSpeed walks the recorded order ahead of the current module, adding
+# up the sizes (`numel`) of the parameters it passes, and keeps every weight it meets before
+# the sum reaches that setting. The script leaves it at DeepSpeed's default, which the cell
+# below prints next to the size of the whole model: the whole backward pass is "soon" here.
+# A smaller value releases earlier and gathers again later: less memory, more communication.
+#
 # The cell below checks each of these sentences against the recorded timeline; if a
 # DeepSpeed version behaves differently, this cell fails and the site does not build.
 
@@ -144,47 +183,61 @@ plt.show()
 def held(variant, step, module, phase, moment):
     """The parameters held in full at one recorded moment."""
     [event] = [e for e in timeline[variant]["events"]
-               if (e["step"], e["module"], e["phase"], e["moment"]) == (step, module, phase, moment)]
+               if (e["step"], e["module"], e["phase"], e["moment"])
+               == (step, module, phase, moment)]
     return {name for name in PARAMS if full(event, name)}
 
 
-# Registered, step 0: gathered for LanguageModel.forward, released at its end.
-assert held("registered", 0, "LanguageModel", "forward", "start") == {"embeddings.weight"}
-assert "embeddings.weight" in held("registered", 0, "mixer", "forward", "start")
-assert held("registered", 0, "LanguageModel", "forward", "end") == set()
-assert held("registered", 0, "mixer", "forward", "end") == {"embeddings.weight"}
+REG, NOT = "registered", "not registered"
+EMB, MIXER = {"embeddings.weight"}, {"mixer.weight", "mixer.bias"}
+# Registered, step 0: gathered for LanguageModel.forward, released
+# at its end.
+assert held(REG, 0, "LanguageModel", "forward", "start") == EMB
+assert EMB <= held(REG, 0, "mixer", "forward", "start")
+assert held(REG, 0, "LanguageModel", "forward", "end") == set()
+assert held(REG, 0, "mixer", "forward", "end") == EMB
 # Not registered, step 0: only during embeddings.forward.
-assert held("not registered", 0, "LanguageModel", "forward", "start") == set()
-assert held("not registered", 0, "embeddings", "forward", "start") == {"embeddings.weight"}
-assert held("not registered", 0, "embeddings", "forward", "end") == set()
-assert held("not registered", 0, "mixer", "forward", "start") == {"mixer.weight", "mixer.bias"}
+assert held(NOT, 0, "LanguageModel", "forward", "start") == set()
+assert held(NOT, 0, "embeddings", "forward", "start") == EMB
+assert held(NOT, 0, "embeddings", "forward", "end") == set()
+assert held(NOT, 0, "mixer", "forward", "start") == MIXER
 # ... and DeepSpeed registered it on LanguageModel during step 0.
-assert timeline["not registered"]["external"][0] == ["embeddings.weight"]
+assert timeline[NOT]["external"][0] == ["embeddings.weight"]
 # Step 1 is the same moment by moment in both runs.
-for a, b in zip(timeline["registered"]["events"], timeline["not registered"]["events"]):
+for a, b in zip(timeline[REG]["events"], timeline[NOT]["events"]):
     if a["step"] == 1:
-        assert (a["module"], a["phase"], a["moment"], a["params"]) == (b["module"], b["phase"], b["moment"], b["params"])
+        assert a == b
 # Step 1 keeps mixer's weights from its forward into backward.
-assert {"mixer.weight", "mixer.bias"} <= held("registered", 1, "mixer", "forward", "end")
-# Nothing is held in full after engine.backward, and both runs train alike.
+assert MIXER <= held(REG, 1, "mixer", "forward", "end")
+# Nothing is held in full after engine.backward; both runs train alike.
 for variant in timeline:
     for step in (0, 1):
         assert held(variant, step, "engine", "backward", "end") == set()
-assert timeline["registered"]["losses"] == timeline["not registered"]["losses"]
+assert timeline[REG]["losses"] == timeline[NOT]["losses"]
+# The reuse distance covers the whole model, so the backward pass too.
+assert recorded["max_reuse_distance"] > recorded["model_numel"]
+print("stage3_max_reuse_distance:", recorded["max_reuse_distance"],
+      "parameter elements (DeepSpeed's default)")
+print("parameter elements in the whole model:", recorded["model_numel"])
 print("all checks passed")
 
 # %% [markdown]
 # ## Record it for your own model
 #
-# The recorder is four lines of hooks, added after `deepspeed.initialize` so that in forward
-# they run after DeepSpeed's own: at "start" DeepSpeed has gathered what the module needs, at
-# "end" it has released what it frees.
+# The recorder is three hooks on every module, added after `deepspeed.initialize` so that in
+# forward they run after DeepSpeed's own: a forward pre-hook ("start": DeepSpeed has gathered
+# what the module needs), a forward hook ("end": it has released what it frees), and a full
+# backward pre-hook (backward reaches the module). The script also records one moment by
+# hand, after `engine.backward` returns.
 #
 # ```python
 # for name, module in engine.module.named_modules():
-#     module.register_forward_pre_hook(lambda m, a, name=name: record(name, "forward", "start"))
-#     module.register_forward_hook(lambda m, a, o, name=name: record(name, "forward", "end"))
-#     module.register_full_backward_pre_hook(lambda m, g, name=name: record(name, "backward", "start"))
+#     module.register_forward_pre_hook(
+#         lambda m, a, name=name: record(name, "forward", "start"))
+#     module.register_forward_hook(
+#         lambda m, a, o, name=name: record(name, "forward", "end"))
+#     module.register_full_backward_pre_hook(
+#         lambda m, g, name=name: record(name, "backward", "start"))
 # ```
 #
 # where `record` saves `p.data.shape` (full, or `(0,)`) and `p.ds_status` for every parameter.

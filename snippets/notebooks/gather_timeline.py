@@ -2,7 +2,8 @@
 
 Run on CPU (2 processes), optionally writing every event to a JSON file:
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/notebooks/gather_timeline.py [events.json]
-Run and tested here on CPU only; not run on GPUs.
+Run and tested here on CPU only; not run on GPUs. The backend and the device come from
+deepspeed.accelerator.get_accelerator().
 
 It trains the LanguageModel of snippets/zero3/language_model.py (loaded from that file, not
 copied) for two steps, twice: as the page shows it (LanguageModel registers
@@ -17,10 +18,13 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "zero3" / "language_model.py"
 STEPS = 2
+ZERO = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
 # --8<-- [start:record]
@@ -49,7 +53,7 @@ def attach_recorder(model, record):
 def train(example, register, rank, world):
     ds_config = {
         "train_micro_batch_size_per_gpu": example["BATCH"] // world,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": dict(ZERO),
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
     }
@@ -73,8 +77,9 @@ def train(example, register, rank, world):
     for step in range(STEPS):
         inputs, targets = example["make_batch"](step)
         mine = slice(rank, None, world)
-        logits = engine(inputs[mine])
-        loss = F.cross_entropy(logits.reshape(-1, example["VOCAB"]), targets[mine].reshape(-1))
+        logits = engine(inputs[mine].to(engine.device))
+        loss = F.cross_entropy(logits.reshape(-1, example["VOCAB"]),
+                               targets[mine].reshape(-1).to(engine.device))
         engine.backward(loss)
         record("engine", "backward", "end")
         engine.step()
@@ -93,14 +98,18 @@ def show(events):
 
 
 def main():
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     example = runpy.run_path(str(EXAMPLE))  # the page's LanguageModel, not a copy
-    result = {}
+    # For the notebook: how far ahead, in parameter elements, DeepSpeed looks before it
+    # releases a weight (stage3_max_reuse_distance, as ZERO leaves it), and the model's size.
+    result = {"max_reuse_distance": DeepSpeedZeroConfig(**ZERO).max_reuse_distance,
+              "model_numel": sum(p.numel() for p in example["LanguageModel"]().parameters()),
+              "variants": {}}
     for register in (True, False):
         variant = "registered" if register else "not registered"
         events, losses, external = train(example, register, rank, world)
-        result[variant] = {"events": events, "losses": losses, "external": external}
+        result["variants"][variant] = {"events": events, "losses": losses, "external": external}
         if rank == 0:
             print(f"embeddings.weight {variant}: losses on rank 0 {losses}")
             show(events)

@@ -167,3 +167,68 @@ def test_missing_page_gets_a_useful_404(browser_page, site_url):
     page.locator("a.not-found-home").click()
     page.wait_for_load_state("networkidle")
     assert page.url == site_url
+
+
+NOTEBOOK_SOURCE = DOCS / "notebooks" / "gather-and-release.py"
+MIN_TEXT_PX = 12  # the smallest text of the plot, in CSS pixels as the reader sees it
+
+
+def plot_constants() -> tuple[float, float]:
+    """The plot's smallest font size (points) and resolution (dots per inch), from the notebook."""
+    source = NOTEBOOK_SOURCE.read_text()
+    points = float(re.search(r"^SMALLEST_POINTS = ([\d.]+)", source, re.M).group(1))
+    dpi = float(re.search(r"^DPI = (\d+)", source, re.M).group(1))
+    return points, dpi
+
+
+# Code cells: each fits its box or scrolls sideways to its last column, and no box is cut off
+# by what holds it. Reports every cell that does not.
+CELLS_CLIPPED = """() => {
+  const problems = [];
+  document.querySelectorAll('.jp-CodeCell .highlight-ipynb').forEach((box, i) => {
+    const right = box.getBoundingClientRect().right;
+    for (let e = box.parentElement; e && e.tagName !== 'ARTICLE'; e = e.parentElement) {
+      if (getComputedStyle(e).overflowX !== 'visible' && e.getBoundingClientRect().right < right - 1)
+        problems.push(`cell ${i}: cut off by ${e.className}`);
+    }
+    if (box.scrollWidth > box.clientWidth) {
+      if (!['auto', 'scroll'].includes(getComputedStyle(box).overflowX))
+        problems.push(`cell ${i}: wider than its box and does not scroll`);
+      box.scrollLeft = box.scrollWidth;
+      if (box.scrollLeft + box.clientWidth < box.scrollWidth - 1)
+        problems.push(`cell ${i}: its last column cannot be scrolled to`);
+      box.scrollLeft = 0;
+    }
+  });
+  return problems;
+}"""
+
+
+@pytest.mark.parametrize("width", [1400, 390], ids=["1400px", "phone-390px"])
+def test_notebook_plot_and_code_are_readable(browser_page, site_url, width):
+    """At a desktop width and a phone width: the plot's smallest text is at least MIN_TEXT_PX
+    CSS pixels high as drawn (its font size scaled by how much the browser shrinks the image),
+    the whole plot can be seen (at 1400 px without scrolling; on a phone by scrolling it
+    sideways), and no code cell is cut off at the right (at 1400 px none even needs scrolling)."""
+    page = browser_page
+    page.set_viewport_size({"width": width, "height": 900})
+    open_page(page, site_url + "notebooks/gather-and-release/")
+    image = page.locator(".jp-OutputArea-output img")
+    assert image.count() == 1
+    natural, shown, box_width, box_scroll = image.evaluate(
+        "img => [img.naturalWidth, img.getBoundingClientRect().width,"
+        " img.parentElement.clientWidth, img.parentElement.scrollWidth]")
+    points, dpi = plot_constants()
+    text_px = points / 72 * dpi * shown / natural
+    assert text_px >= MIN_TEXT_PX, f"the plot's smallest text is {text_px:.1f} px high at {width} px"
+    if width >= 1000:
+        assert shown <= box_width + 1, "the plot is wider than the page's content"
+    else:
+        assert box_scroll >= shown - 1 and image.evaluate(
+            "img => ['auto', 'scroll'].includes(getComputedStyle(img.parentElement).overflowX)"), \
+            "the plot neither fits nor scrolls"
+    assert page.evaluate(CELLS_CLIPPED) == []
+    if width >= 1000:
+        widths = page.evaluate("() => [...document.querySelectorAll('.jp-CodeCell .highlight-ipynb')]"
+                               ".map(b => b.scrollWidth - b.clientWidth)")
+        assert widths and max(widths) <= 0, f"code cells need scrolling at {width} px: {widths}"
