@@ -1,6 +1,6 @@
 """The encoder+decoder tie (one weight used three times, on three stages), against the same
-model trained in one process: DeepSpeed with one TiedLayerSpec key used three times, and
-torch.distributed.pipelining with one all_reduce over the three holding stages."""
+model trained in one process: torch.distributed.pipelining with one all_reduce over the three
+holding stages."""
 
 import runpy
 
@@ -10,7 +10,6 @@ import torch
 from examples import output_file
 from runner import ROOT, run_snippet
 
-DEEPSPEED = "snippets/pipeline/deepspeed_three_way.py"
 TORCH = "snippets/pipeline/torch_three_way.py"
 
 
