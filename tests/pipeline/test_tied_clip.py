@@ -1,5 +1,6 @@
-"""Gradient clipping with a hand-kept tie on 2 pipeline stages, against clip_grad_norm_ on the
-same model in one process: it matches only when the stages' squares are summed, the tie once."""
+"""Gradient clipping with a tied weight on 2 pipeline stages, against clip_grad_norm_ on the
+same model in one process: DeepSpeed's norm (fp32, no ZeRO) is stage 0's gradients only; the
+manual recipe matches one process only when the stages' squares are summed, the tie once."""
 
 import math
 import runpy
@@ -10,11 +11,80 @@ import torch
 from examples import output_file
 from runner import ROOT, run_snippet
 
+DEEPSPEED = "snippets/pipeline/deepspeed_tied_clip.py"
 TORCH = "snippets/pipeline/torch_tied_clip.py"
 
 
 def norm(tensors):
     return math.sqrt(sum((t.grad.double() ** 2).sum().item() for t in tensors))
+
+
+def deepspeed_reference(rule):
+    """One process: one embedding as input layer and head. rule "torch": clip_grad_norm_ on
+    every parameter; rule "stage 0": the same scaling, by the norm of stage 0's parameters
+    (embedding and first mixer) only. Returns losses, per-step norms (all, stage 0), weights."""
+    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    torch.manual_seed(ex["SEED"] + 0)
+    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
+    torch.manual_seed(ex["SEED"] + 1)
+    mixer1 = ex["Mixer"]()
+    torch.manual_seed(ex["SEED"] + 2)
+    mixer2 = ex["Mixer"]()
+    params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
+    stage0 = [*embedding.parameters(), *mixer1.parameters()]
+    optimizer = torch.optim.SGD(params, lr=ex["LR"])
+    losses, norms = [], []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for tokens, targets in ex["micro_batches"]("cpu"):
+            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
+            loss = ex["cross_entropy"](logits, targets)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        norms.append((norm(params), norm(stage0)))
+        if rule == "torch":
+            torch.nn.utils.clip_grad_norm_(params, ex["CLIP"])
+        else:
+            coefficient = min(1.0, ex["CLIP"] / (norms[-1][1] + 1e-6))  # DeepSpeed's formula
+            for p in params:
+                p.grad.mul_(coefficient)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    weights = {"tied_modules.embed.weight": embedding.weight, "1.linear.weight": mixer1.linear.weight,
+               "1.linear.bias": mixer1.linear.bias, "2.linear.weight": mixer2.linear.weight,
+               "2.linear.bias": mixer2.linear.bias}
+    return losses, norms, {k: v.detach().clone() for k, v in weights.items()}
+
+
+def same_parameters(got, reference):
+    return all(torch.allclose(value, reference[name], rtol=1e-5, atol=1e-6) for name, value in got.items())
+
+
+def test_deepspeed_clips_by_the_norm_of_stage_0_only(expect_output):
+    result = run_snippet(DEEPSPEED, 2, call="main", timeout=300).check()
+    torch_losses, torch_norms, torch_weights = deepspeed_reference("torch")
+    ds_losses, stage0_norms, stage0_weights = deepspeed_reference("stage 0")
+    for rank in range(2):
+        got = result.returned(rank)
+        # Clipping was active at every step (the norms are above CLIP).
+        assert all(n["deepspeed"] > 0.1 for n in got["norms"])
+        # What the snippet measured before clipping, at the first step (same weights in every run):
+        # the whole model's norm is clip_grad_norm_'s in one process; DeepSpeed's is stage 0's.
+        assert got["norms"][0]["whole model"] == pytest.approx(torch_norms[0][0], rel=1e-5)
+        assert got["norms"][0]["deepspeed"] == pytest.approx(torch_norms[0][1], rel=1e-5)
+        for step, n in enumerate(got["norms"]):
+            assert n["deepspeed"] == pytest.approx(n["stage 0 only"], rel=1e-6)
+            assert n["deepspeed"] == pytest.approx(stage0_norms[step][1], rel=1e-5)
+            assert n["deepspeed"] < n["whole model"] * 0.9
+        # Training: DeepSpeed equals the one-process model clipped by stage 0's norm, not the
+        # one clipped by clip_grad_norm_.
+        assert got["losses"] == pytest.approx(ds_losses, abs=1e-6)
+        assert same_parameters(got["parameters"], stage0_weights)
+        assert not same_parameters(got["parameters"], torch_weights)
+        assert got["losses"][-1] != pytest.approx(torch_losses[-1], abs=1e-3)
+    print(f"{DEEPSPEED}: {result.seconds:.1f} s on 2 ranks")
+    expect_output(result, output_file(DEEPSPEED))
 
 
 def torch_reference():
