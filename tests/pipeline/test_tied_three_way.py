@@ -52,3 +52,49 @@ def test_pipelining_three_way_tie_sums_three_shares(expect_output):
         torch.testing.assert_close(got["weight"], model.encoder_embed.weight.detach(), rtol=1e-5, atol=1e-6)
     print(f"{TORCH}: {result.seconds:.1f} s on 3 ranks")
     expect_output(result, output_file(TORCH))
+
+
+DEEPSPEED = "snippets/pipeline/deepspeed_three_way.py"
+
+
+def deepspeed_reference():
+    """One process: layers seeded as PipelineModule(seed_layers=True) seeds them (layer i after
+    manual_seed(SEED + i); the tied module is built at its first use, layer 0), one embedding
+    for the three uses, the same micro-batches and SGD."""
+    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    torch.manual_seed(ex["SEED"] + 0)
+    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
+    torch.manual_seed(ex["SEED"] + 1)
+    encoder = ex["Mixer"]()
+    torch.manual_seed(ex["SEED"] + 3)
+    decoder = ex["Mixer"]()
+    params = [*embedding.parameters(), *encoder.parameters(), *decoder.parameters()]
+    optimizer = torch.optim.SGD(params, lr=ex["LR"])
+    losses = []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for inputs, targets in ex["micro_batches"]("cpu"):
+            out = ex["embed_source"](embedding, inputs)
+            out = ex["embed_target"](embedding, encoder(out))
+            out = ex["logits"](embedding, decoder(out))
+            loss = ex["cross_entropy"](out, targets)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    return losses, embedding.weight.detach().clone()
+
+
+def test_deepspeed_one_key_three_uses_is_one_tie_group_of_three_stages(expect_output):
+    result = run_snippet(DEEPSPEED, 3, call="main", timeout=300).check()
+    ref_losses, ref_weight = deepspeed_reference()
+    for rank in range(3):
+        got = result.returned(rank)
+        # One tied module per stage, one group of all three stages.
+        assert got["tied_modules"] == ["embed"]
+        assert got["tie_ranks"] == [0, 1, 2]
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        torch.testing.assert_close(got["weight"], ref_weight, rtol=1e-5, atol=1e-6)
+    print(f"{DEEPSPEED}: {result.seconds:.1f} s on 3 ranks")
+    expect_output(result, output_file(DEEPSPEED))
