@@ -1,0 +1,100 @@
+"""Pipeline x data parallel on 4 ranks (2 stages x 2 replicas): DeepSpeed's TiedLayerSpec and
+the hand-kept tie of torch.distributed.pipelining both equal one process on both replicas' data."""
+
+import runpy
+
+import pytest
+import torch
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+DEEPSPEED = "snippets/pipeline/deepspeed_tied_dp.py"
+TORCH = "snippets/pipeline/torch_tied_dp.py"
+
+
+def deepspeed_reference():
+    """One process, no DeepSpeed: the layers seeded as PipelineModule(seed_layers=True) seeds
+    them, one embedding as input layer and head, every step on both replicas' micro-batches
+    (the loss of each divided by their number: the mean, as data parallelism averages)."""
+    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    torch.manual_seed(ex["SEED"] + 0)
+    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
+    torch.manual_seed(ex["SEED"] + 1)
+    mixer1 = ex["Mixer"]()
+    torch.manual_seed(ex["SEED"] + 2)
+    mixer2 = ex["Mixer"]()
+    params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
+    optimizer = torch.optim.SGD(params, lr=ex["LR"])
+    micro_batches = [mb for replica in range(2) for mb in ex["micro_batches"](replica, "cpu")]
+    losses = []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for tokens, targets in micro_batches:
+            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
+            loss = ex["cross_entropy"](logits, targets)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / len(micro_batches))
+    return losses, embedding.weight.detach().clone(), mixer1, mixer2
+
+
+def torch_reference():
+    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
+    torch.manual_seed(ex["SEED"])
+    model = ex["TiedLanguageModel"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
+    micro_batches = []
+    for replica in range(2):
+        tokens, targets = ex["batch"](replica)
+        micro_batches += zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"]))
+    losses = []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for x, y in micro_batches:
+            loss = ex["cross_entropy"](model(x), y)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / len(micro_batches))
+    return losses, model
+
+
+def test_deepspeed_tied_layers_with_data_parallelism_match_one_process(expect_output):
+    result = run_snippet(DEEPSPEED, 4, call="main", timeout=300).check()
+    ref_losses, ref_weight, mixer1, mixer2 = deepspeed_reference()
+    # rank -> (stage, replica, tie group, data-parallel group): stage-major, as DeepSpeed lays it out.
+    layout = {0: (0, 0, [0, 2], [0, 1]), 1: (0, 1, [1, 3], [0, 1]),
+              2: (1, 0, [0, 2], [2, 3]), 3: (1, 1, [1, 3], [2, 3])}
+    for rank in range(4):
+        got = result.returned(rank)
+        assert (got["stage"], got["replica"], got["tie_ranks"], got["dp_group"]) == layout[rank]
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        # All four copies are equal after every step, and equal the one-process weight.
+        assert got["differences"] == [0.0] * len(ref_losses)
+        torch.testing.assert_close(got["weight"], ref_weight, rtol=1e-5, atol=1e-6)
+        mixer = mixer1 if got["stage"] == 0 else mixer2
+        layer = "1" if got["stage"] == 0 else "2"
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(got["parameters"][f"{layer}.linear.{name}"],
+                                       getattr(mixer.linear, name).detach(), rtol=1e-5, atol=1e-6)
+    print(f"{DEEPSPEED}: {result.seconds:.1f} s on 4 ranks")
+    expect_output(result, output_file(DEEPSPEED))
+
+
+def test_pipelining_with_a_manual_tie_and_data_parallelism_matches_one_process(expect_output):
+    result = run_snippet(TORCH, 4, call="main", timeout=300).check()
+    ref_losses, model = torch_reference()
+    for rank in range(4):
+        got = result.returned(rank)
+        assert got["stage"] == rank // 2
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        torch.testing.assert_close(got["weight"], model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
+        for name, value in got["parameters"].items():
+            if name != "head.weight" or got["stage"] == 1:  # stage 0's head.weight is never used
+                torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=1e-5, atol=1e-6)
+    print(f"{TORCH}: {result.seconds:.1f} s on 4 ranks")
+    expect_output(result, output_file(TORCH))

@@ -1,0 +1,100 @@
+"""The encoder+decoder tie (one weight used three times, on three stages), against the same
+model trained in one process: torch.distributed.pipelining with one all_reduce over the three
+holding stages."""
+
+import runpy
+
+import pytest
+import torch
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+TORCH = "snippets/pipeline/torch_three_way.py"
+
+
+def torch_reference():
+    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
+    torch.manual_seed(ex["SEED"])
+    model = ex["EncoderDecoder"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
+    tokens, targets = ex["batch"]()
+    losses, first_grad = [], None
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for x, y in zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"])):
+            loss = ex["cross_entropy"](model(x), y)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        if first_grad is None:
+            first_grad = model.encoder_embed.weight.grad.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    return losses, first_grad, model
+
+
+def test_pipelining_three_way_tie_sums_three_shares(expect_output):
+    result = run_snippet(TORCH, 3, call="main", timeout=300).check()
+    ref_losses, ref_first_grad, model = torch_reference()
+    for rank in range(3):
+        got = result.returned(rank)
+        # pipelining names one copy per stage: three tensors for one weight.
+        assert got["uses"] == {"submod_pp_0": "encoder_embed.weight", "submod_pp_1": "decoder_embed.weight",
+                               "submod_pp_2": "head.weight"}
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        # The tied gradient is the sum of all three shares; no share and no pair of shares is.
+        shares = got["first_shares"]
+        torch.testing.assert_close(sum(shares), ref_first_grad, rtol=1e-5, atol=1e-6)
+        for partial in (*shares, shares[0] + shares[1], shares[1] + shares[2], shares[0] + shares[2]):
+            assert not torch.allclose(partial, ref_first_grad, atol=1e-3)
+        assert all(torch.equal(copy, got["copies"][0]) for copy in got["copies"])
+        torch.testing.assert_close(got["weight"], model.encoder_embed.weight.detach(), rtol=1e-5, atol=1e-6)
+    print(f"{TORCH}: {result.seconds:.1f} s on 3 ranks")
+    expect_output(result, output_file(TORCH))
+
+
+DEEPSPEED = "snippets/pipeline/deepspeed_three_way.py"
+
+
+def deepspeed_reference():
+    """One process: layers seeded as PipelineModule(seed_layers=True) seeds them (layer i after
+    manual_seed(SEED + i); the tied module is built at its first use, layer 0), one embedding
+    for the three uses, the same micro-batches and SGD."""
+    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    torch.manual_seed(ex["SEED"] + 0)
+    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
+    torch.manual_seed(ex["SEED"] + 1)
+    encoder = ex["Mixer"]()
+    torch.manual_seed(ex["SEED"] + 3)
+    decoder = ex["Mixer"]()
+    params = [*embedding.parameters(), *encoder.parameters(), *decoder.parameters()]
+    optimizer = torch.optim.SGD(params, lr=ex["LR"])
+    losses = []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for inputs, targets in ex["micro_batches"]("cpu"):
+            out = ex["embed_source"](embedding, inputs)
+            out = ex["embed_target"](embedding, encoder(out))
+            out = ex["logits"](embedding, decoder(out))
+            loss = ex["cross_entropy"](out, targets)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    return losses, embedding.weight.detach().clone()
+
+
+def test_deepspeed_one_key_three_uses_is_one_tie_group_of_three_stages(expect_output):
+    result = run_snippet(DEEPSPEED, 3, call="main", timeout=300).check()
+    ref_losses, ref_weight = deepspeed_reference()
+    for rank in range(3):
+        got = result.returned(rank)
+        # One tied module per stage, one group of all three stages.
+        assert got["tied_modules"] == ["embed"]
+        assert got["tie_ranks"] == [0, 1, 2]
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        torch.testing.assert_close(got["weight"], ref_weight, rtol=1e-5, atol=1e-6)
+    print(f"{DEEPSPEED}: {result.seconds:.1f} s on 3 ranks")
+    expect_output(result, output_file(DEEPSPEED))

@@ -1,0 +1,52 @@
+"""A V-shaped schedule puts the first and the last stage on one rank: the tied embedding and
+head are one tensor there, trained without any all_reduce, equal to one process."""
+
+import runpy
+
+import pytest
+import torch
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+SNIPPET = "snippets/pipeline/torch_tied_v.py"
+
+
+def reference():
+    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    layers = ex["build_model"]()
+    params = list({id(p): p for layer in layers for p in layer.parameters()}.values())
+    optimizer = torch.optim.SGD(params, lr=ex["LR"])
+    tokens, targets = ex["batch"]()
+    losses = []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for x, y in zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"])):
+            out = x
+            for layer in layers:
+                out = layer(out)
+            loss = ex["cross_entropy"](out, y)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    return losses, {f"{i}.{name}": p.detach().clone() for i, layer in enumerate(layers)
+                    for name, p in layer.named_parameters()}
+
+
+def test_v_schedule_keeps_the_tie_as_one_tensor_and_matches_one_process(expect_output):
+    result = run_snippet(SNIPPET, 2, call="main", timeout=300).check()
+    ref_losses, ref_parameters = reference()
+    rank0, rank1 = result.returned(0), result.returned(1)
+    assert rank0["mine"] == [0, 3] and rank1["mine"] == [1, 2]
+    assert rank0["one_tensor"] is True
+    # Rank 0 holds the tied weight once (16 x 8 float32 = 512 bytes) for both of its stages;
+    # rank 1 holds none of it.
+    assert rank0["bytes"] == [[512, 1], [576, 4]]
+    for got in (rank0, rank1):
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        for name, value in got["parameters"].items():
+            torch.testing.assert_close(value, ref_parameters[name], rtol=1e-5, atol=1e-6)
+    print(f"{SNIPPET}: {result.seconds:.1f} s on 2 ranks")
+    expect_output(result, output_file(SNIPPET))
