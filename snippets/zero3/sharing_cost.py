@@ -251,11 +251,29 @@ def report(results, world):
         top, moments = peak(steps[-1], "held")
         print(f"  {name:40} " + " ".join(f"{peak(events, 'held')[0] / MIB:5.2f}" for events in steps)
               + f"  {where(moments, len(steps[-1]))}")
-    print("\nAllocated: memory of those parameters still allocated (MiB), peak over both steps; where")
+    print("\nAllocated: memory of those parameters still allocated (MiB), peak over all steps; where")
     for name, result in results.items():
         if not result["error"]:
             top, moments = peak(result["events"], "alive")
             print(f"  {name:40} {top / MIB:5.2f}  {where(moments, len(result['events']))}")
+    on_paper(results)
+
+
+# --8<-- [start:paper]
+def on_paper(results, vocab=262144, hidden=4096, bytes_per_value=2):
+    """Derived, not run: the measured pattern, scaled to a real embedding (here bf16)."""
+    embedding, real = VOCAB * DIM * 4, vocab * hidden * bytes_per_value
+    print(f"\nOn paper (derived, not run): a {vocab} x {hidden} embedding in bf16 is "
+          f"{real / 2**30:.2f} GiB per full copy")
+    for name, result in results.items():
+        if not result["error"]:
+            last = [e for e in result["events"] if e["step"] == STEPS - 1]
+            copies = max(e["alive"] for e in result["events"]) // embedding
+            holding = sum("embeddings.weight" in e["full"] for e in last)
+            print(f"  {name:40} {copies} full {'copy' if copies == 1 else 'copies'} at the peak = "
+                  f"{copies * real / 2**30:.2f} GiB + the layers gathered then; "
+                  f"held at {holding} of {len(last)} moments")
+# --8<-- [end:paper]
 
 
 def main():
