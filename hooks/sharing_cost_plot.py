@@ -32,7 +32,7 @@ def read(path):
     return timeline
 
 
-def draw(timeline):
+def draw(timeline, image_format="svg"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,10 +67,10 @@ def draw(timeline):
 
     handles.append(patches.Patch(color="#eeeeee", label="backward"))
     fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False)
-    svg = io.StringIO()
-    fig.savefig(svg, format="svg", metadata={"Date": None})
+    image = io.StringIO() if image_format == "svg" else io.BytesIO()
+    fig.savefig(image, format=image_format, metadata={"Date": None} if image_format == "svg" else None, dpi=80)
     plt.close(fig)
-    return svg.getvalue()
+    return image.getvalue()
 
 
 def on_files(files, config):
