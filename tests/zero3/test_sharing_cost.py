@@ -144,3 +144,20 @@ def test_bytes_held_and_training(world_size, references, expect_output, request)
         if request.config.getoption("--update-outputs"):
             TIMELINE.write_text(timeline(results))
         assert TIMELINE.read_text() == timeline(results), f"{TIMELINE.name} differs from this run"
+
+
+def test_the_plot_is_drawn_from_the_data_file():
+    """The page's plot (hooks/sharing_cost_plot.py): every panel's variant is in the data; the
+    SVG is the same on every build (no date, fixed ids), and shows each panel's title."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sharing_cost_plot", ROOT / "hooks/sharing_cost_plot.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    data = hook.read(ROOT / hook.DATA)
+    assert {variant for variant, _ in hook.PANELS} <= set(data) == set(EXPECTED) | set(FAILS)
+    svg = hook.draw(data)
+    assert svg == hook.draw(data)
+    for _, title in hook.PANELS:
+        assert title in svg
+    assert "sharing-cost.svg" in (ROOT / "docs/zero3/sharing-cost.md").read_text()
