@@ -251,11 +251,13 @@ def report(results, world):
         top, moments = peak(steps[-1], "held")
         print(f"  {name:40} " + " ".join(f"{peak(events, 'held')[0] / MIB:5.2f}" for events in steps)
               + f"  {where(moments, len(steps[-1]))}")
-    print("\nAllocated: memory of those parameters still allocated (MiB), peak over all steps; where")
+    print("\nAllocated: memory of those parameters still allocated (MiB), peak over all steps; "
+          "where, if above the peak held")
     for name, result in results.items():
         if not result["error"]:
             top, moments = peak(result["events"], "alive")
-            print(f"  {name:40} {top / MIB:5.2f}  {where(moments, len(result['events']))}")
+            above = top > max(e["held"] for e in result["events"])
+            print(f"  {name:40} {top / MIB:5.2f}  {where(moments, len(result['events'])) if above else ''}".rstrip())
     on_paper(results)
 
 

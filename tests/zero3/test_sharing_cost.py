@@ -71,6 +71,10 @@ def first_difference(a, b):
     return next(((x, y) for x, y in zip(a["events"], b["events"]) if x != y), None)
 
 
+def deterministic(tsv):
+    return [line.split("\t")[:4] for line in tsv.splitlines()]
+
+
 def timeline(results):
     rows = ["variant\tstep\tmoment\theld_bytes\tallocated_bytes"]
     for variant, result in results.items():
@@ -143,7 +147,10 @@ def test_bytes_held_and_training(world_size, references, expect_output, request)
         expect_output(run, output_file(SNIPPET))
         if request.config.getoption("--update-outputs"):
             TIMELINE.write_text(timeline(results))
-        assert TIMELINE.read_text() == timeline(results), f"{TIMELINE.name} differs from this run"
+        # What DeepSpeed holds is the same in every run. The allocated bytes can differ at a
+        # moment where a released copy is freed a moment later in one run than in another
+        # (seen once in the 4.00 MiB variant); their peaks do not, and are asserted above.
+        assert deterministic(TIMELINE.read_text()) == deterministic(timeline(results)), f"{TIMELINE.name} differs from this run"
 
 
 def test_the_plot_is_drawn_from_the_data_file():
