@@ -53,7 +53,7 @@ def output_blocks(lines: list[str]) -> list[tuple[int, str, list[str]]]:
         while end < len(lines) and not closing.match(lines[end]):
             end += 1
         body = [lines[n] for n in range(index + 1, min(end, len(lines)))]
-        outputs = [spec for spec, path, _ in included_files(body) if path.suffix != ".py"]
+        outputs = [spec for spec, path, _ in included_files(body) if path.suffix == ".out"]  # runner transcripts; other data files say what they are
         if outputs:
             before = index - 1
             while before >= 0 and not lines[before].strip():
