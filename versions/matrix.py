@@ -323,7 +323,10 @@ def run_release(version: str, config: dict, repeat: int, only: list[str] | None 
     build_seconds = round(time.monotonic() - started, 1)
     python = env / "bin" / "python"
     extra = {key: str(value) for key, value in spec.get("env", {}).items()}
+    log(f"{version}: environment {'built' if built else 'reused'} ({build_seconds} s); "
+        f"importing deepspeed and starting a one-rank group")
     row = {"env": extra, "probe": probe(python, env, extra)}
+    log(f"{version}: import {'ok' if row['probe']['ok'] else 'failed'} ({row['probe']['seconds']} s)")
     timings = {"built": built, "build_seconds": build_seconds, "probe_seconds": row["probe"].pop("seconds")}
     if not row["probe"]["ok"]:
         log(f"{version}: cannot run: {row['probe']['raised']}")
@@ -529,9 +532,9 @@ def render_example_note(data: dict, config: dict, path: str) -> str:
                      + " / ".join(f"`{line}`" for line in sorted(set(per_release.values())))
                      + (f" (changed in {first_same})" if first_same else ""))
     command_list = [c for c in commands(config) if example_name(c) == path]
-    ran = ran_releases(data, command_list[0]) if command_list else []
+    others = [v for v in (ran_releases(data, command_list[0]) if command_list else []) if v != pinned]
     head = (f'!!! note "Other DeepSpeed releases"\n    This example was also run on DeepSpeed '
-            f"{', '.join(v for v in ran if v != pinned)} ([DeepSpeed versions](../versions.md)).")
+            f"{', '.join(others) or '(none yet)'} ([DeepSpeed versions](../versions.md)).")
     if not lines:
         return head + f" Every release printed the same as {pinned}.\n"
     return head + f" What differs from {pinned}:\n\n" + "".join(f"    {line}\n" for line in lines)

@@ -1,0 +1,121 @@
+"""The DeepSpeed version matrix (versions/): its data file, the pages rendered from it, and the
+pinned release's row against a fresh run in this environment."""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from runner import ROOT, run_snippet
+
+sys.path.insert(0, str(ROOT / "versions"))
+import matrix  # noqa: E402
+
+CONFIG = matrix.load_releases()
+DATA = matrix.load_data()
+PINNED = CONFIG["pinned"]
+
+
+def test_the_pinned_release_is_the_installed_one():
+    assert PINNED == matrix.pinned_in_constraints() == version("deepspeed")
+    assert DATA["pinned"] == PINNED and DATA["torch"] == version("torch").split("+")[0]
+
+
+def test_the_releases_list_covers_the_releases_the_pages_discuss():
+    listed = matrix.releases(CONFIG)
+    # The latest of 0.14, 0.15, 0.17, 0.18; both sides of the two changes; the pinned one.
+    for required in ("0.14.5", "0.15.4", "0.16.4", "0.16.5", "0.17.6", "0.18.9", "0.19.2",
+                     "0.19.3", PINNED):
+        assert required in listed
+
+
+def test_the_data_has_every_release_and_every_documented_command():
+    commands = matrix.commands(CONFIG)
+    assert len(commands) >= 6
+    ran = [v for v in matrix.releases(CONFIG) if DATA["releases"].get(v, {}).get("probe", {}).get("ok")]
+    assert len(ran) >= 7, f"only {ran} ran"
+    for release in matrix.releases(CONFIG):
+        row = DATA["releases"].get(release)
+        assert row is not None, f"{release} is listed but not in versions/matrix.json: run python3 tasks.py matrix"
+        if row["probe"]["ok"]:
+            assert sorted(row["examples"]) == sorted(commands), f"{release}: run python3 tasks.py matrix"
+            assert row["env"] == {k: str(v) for k, v in CONFIG["releases"][release].get("env", {}).items()}
+
+
+def test_the_generated_files_are_rendered_from_the_data():
+    for name, text in matrix.render(DATA, CONFIG).items():
+        path = matrix.GENERATED / name
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: python3 tasks.py matrix --render"
+
+
+def test_each_upstream_change_is_where_the_data_shows_a_change():
+    changes = matrix.summary(DATA, CONFIG)
+    for item in CONFIG["upstream"]:
+        found = [
+            (command, context) for (command, context, _), per_release in changes.items()
+            if matrix.example_name(command) == item["example"]
+            and matrix.changed_in(sorted(per_release, key=matrix.release_key),
+                                  matrix.ran_releases(DATA, command)) == item["release"]
+        ]
+        assert found, f"the data shows no change in {item['example']} at {item['release']}"
+
+
+def test_the_two_known_differences_are_in_the_data():
+    """What the versions page shows (from the data): engine.module(...) is auto-detected from
+    0.16.5; the registered ModuleZ3 weight is released after backward from 0.19.3."""
+    changes = matrix.summary(DATA, CONFIG)
+    detection = {context: per_release for (command, context, _), per_release in changes.items()
+                 if "automatic_detection" in command}
+    row = detection["engine.module(...) instead of engine(...)"]
+    assert max(row, key=matrix.release_key) == "0.16.4"
+    assert all("size mismatch" in line and "vec (0)" in line for line in row.values())
+    z3 = [(there, per_release) for (command, _, there), per_release in changes.items() if "module_z3" in command]
+    assert z3 and all(max(per_release, key=matrix.release_key) == "0.19.2" for _, per_release in z3)
+    assert any("after engine.backward" in there and "NOT_AVAILABLE" in there for there, _ in z3)
+    assert all("AVAILABLE" in line for _, per_release in z3 for line in per_release.values())
+
+
+def test_differences_and_spans():
+    entry = {"printed": ["a\n  x 1\nb\n  y 2\n"], "raised": []}
+    pinned = {"printed": ["a\n  x 1\nb\n  y 3\n"], "raised": []}
+    assert matrix.differences(entry, pinned) == [("b", "y 2", "y 3")]
+    ran = ["0.14.5", "0.15.4", "0.16.4", "0.16.5", "0.19.8"]
+    assert matrix.changed_in(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.16.5"
+    assert matrix.changed_in(["0.15.4"], ran) is None
+    assert matrix.span(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.14.5 to 0.16.4"
+
+
+def test_an_abort_at_exit_is_recorded_not_counted_as_a_failure():
+    ranks = [{"printed": "done\n", "raised": None, "aborted_at_exit": True},
+             {"printed": "", "raised": None, "aborted_at_exit": False}]
+    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["ok"] is True
+    ranks[1]["raised"] = "RuntimeError: boom"
+    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["ok"] is False
+
+
+def test_the_last_exception_of_a_rank_is_read_from_its_stderr():
+    stderr = ("warning\n[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n"
+              "[rank0]:     f()\n[rank0]: RuntimeError: mat2 must be a matrix\n")
+    assert matrix.last_exception(stderr) == "RuntimeError: mat2 must be a matrix"
+
+
+def unqualified(line: str) -> str:
+    """`torch.distributed.DistBackendError: m` -> `DistBackendError: m` (the runner keeps the short name)."""
+    return re.sub(r"^(?:[\w]+\.)+(\w+:)", r"\1", line)
+
+
+@pytest.mark.parametrize("command", matrix.commands(CONFIG))
+def test_the_pinned_row_equals_a_fresh_run(command):
+    """The data's row for the pinned release is what the examples do now, in this environment."""
+    _, _, ranks, path = command.split(" ", 3)
+    committed = DATA["releases"][PINNED]["examples"][command]
+    result = run_snippet(path, world_size=int(ranks))
+    printed = [matrix.printed(rank.stdout) for rank in result.ranks]
+    raised = sorted({f"{rank.exception['name']}: {str(rank.exception['message']).splitlines()[0]}"
+                     for rank in result.ranks if rank.exception})
+    assert printed == committed["printed"]
+    assert raised == sorted({unqualified(line) for line in committed["raised"]})
+    assert result.ok == committed["ok"]
