@@ -112,10 +112,13 @@ def test_the_pinned_row_equals_a_fresh_run(command):
     """The data's row for the pinned release is what the examples do now, in this environment."""
     _, _, ranks, path = command.split(" ", 3)
     committed = DATA["releases"][PINNED]["examples"][command]
-    result = run_snippet(path, world_size=int(ranks))
+    # A generous timeout: on a loaded machine a run can take minutes; a timeout fails the test.
+    result = run_snippet(path, world_size=int(ranks), timeout=600)
+    assert not result.timed_out, result.failure_report()
     printed = [matrix.printed(rank.stdout) for rank in result.ranks]
     raised = sorted({f"{rank.exception['name']}: {str(rank.exception['message']).splitlines()[0]}"
                      for rank in result.ranks if rank.exception})
-    assert printed == committed["printed"]
-    assert raised == sorted({unqualified(line) for line in committed["raised"]})
-    assert result.ok == committed["ok"]
+    report = f"versions/matrix.json's {PINNED} row is stale: python3 tasks.py matrix --release {PINNED}\n"
+    assert printed == committed["printed"], report + result.failure_report()
+    assert raised == sorted({unqualified(line) for line in committed["raised"]}), report + result.failure_report()
+    assert result.ok == committed["ok"], report + result.failure_report()

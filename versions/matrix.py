@@ -18,7 +18,9 @@ them; a missing or outdated one is (re)built. Each has its own TORCH_EXTENSIONS_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import fcntl
 import glob
 import hashlib
 import json
@@ -316,16 +318,31 @@ def compared(outcome: dict) -> dict:
             "timed_out": outcome["timed_out"]}
 
 
+@contextlib.contextmanager
+def locked(name: str):
+    """An exclusive lock on ENVS/name, held by one `tasks.py matrix` process at a time."""
+    ENVS.mkdir(parents=True, exist_ok=True)
+    with open(ENVS / name, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def run_release(version: str, config: dict, repeat: int, only: list[str] | None = None) -> dict:
     spec = config["releases"][version]
-    started = time.monotonic()
-    env, built = ensure_env(version, config)
-    build_seconds = round(time.monotonic() - started, 1)
-    python = env / "bin" / "python"
     extra = {key: str(value) for key, value in spec.get("env", {}).items()}
-    log(f"{version}: environment {'built' if built else 'reused'} ({build_seconds} s); "
-        f"importing deepspeed and starting a one-rank group")
-    row = {"env": extra, "probe": probe(python, env, extra)}
+    # Building (pip, and the op DeepSpeed compiles on its first run, which the probe triggers)
+    # is the heavy part: two matrix processes never build at the same time.
+    with locked(".build.lock"):
+        started = time.monotonic()
+        env, built = ensure_env(version, config)
+        build_seconds = round(time.monotonic() - started, 1)
+        python = env / "bin" / "python"
+        log(f"{version}: environment {'built' if built else 'reused'} ({build_seconds} s); "
+            f"importing deepspeed and starting a one-rank group")
+        row = {"env": extra, "probe": probe(python, env, extra)}
     log(f"{version}: import {'ok' if row['probe']['ok'] else 'failed'} ({row['probe']['seconds']} s)")
     timings = {"built": built, "build_seconds": build_seconds, "probe_seconds": row["probe"].pop("seconds")}
     if not row["probe"]["ok"]:
@@ -612,11 +629,16 @@ def main(argv: list[str]) -> int:
             problems = compare_rows(old, new, partial=bool(args.example))
             failures += [f"{version}: {problem}" for problem in problems]
         else:
-            if args.example and old and "examples" in old and "examples" in new:
-                new["examples"] = {**old["examples"], **new["examples"]}
-            data["releases"][version] = new
-            data["releases"] = dict(sorted(data["releases"].items(), key=lambda item: release_key(item[0])))
-            save_data(data)  # after every release: an interrupted run keeps what it measured
+            # After every release (an interrupted run keeps what it measured), re-reading the
+            # file: another matrix process may have written other releases meanwhile.
+            with locked(".data.lock"):
+                data = {**load_data(), "torch": data["torch"], "python": data["python"], "pinned": data["pinned"]}
+                old = data["releases"].get(version)
+                if args.example and old and "examples" in old and "examples" in new:
+                    new["examples"] = {**old["examples"], **new["examples"]}
+                data["releases"][version] = new
+                data["releases"] = dict(sorted(data["releases"].items(), key=lambda item: release_key(item[0])))
+                save_data(data)
         log(f"{version}: {round(time.monotonic() - started)} s so far")
     timings["total_seconds"] = round(time.monotonic() - started, 1)
     log(f"matrix: {timings['total_seconds']} s for {len(chosen)} releases")
