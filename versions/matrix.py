@@ -247,8 +247,23 @@ def last_exception(stderr: str) -> str | None:
     return None
 
 
+# What older releases also print to stdout themselves: their op loader and torch's extension
+# builder, and their configuration, logged as JSON over many lines (only the first line has the
+# logger's prefix). Lines of such a dump are recognised on their own, so that filtering twice
+# changes nothing (the data file keeps filtered output; a wider filter applies to it later).
+OLDER_NOISE = re.compile(
+    r"^(ninja: no work to do\.$|Time to load \S+ op: [\d.e+-]+ seconds$"
+    r"|Parameter Offload: Total persistent parameters: \d+ in \d+ params$"
+    r"|Using \S+ as PyTorch extensions root\.\.\.$|Emitting ninja build file |Building extension module "
+    r"|Loading extension module |Allowing ninja to set a default number of workers"
+    r'|\s*"[^"]+": .*$|\s*[{}\]],?\s*$)'
+)
+
+
 def printed(stdout: str) -> str:
-    return "".join(line + "\n" for line in stdout.splitlines() if not DEEPSPEED_NOISE.match(line))
+    """What the example printed itself: stdout without the lines DeepSpeed and torch write."""
+    return "".join(line + "\n" for line in stdout.splitlines()
+                   if not DEEPSPEED_NOISE.match(line) and not OLDER_NOISE.match(line))
 
 
 def run_command(python: Path, env: Path, ranks: int, path: str, extra: dict[str, str]) -> dict:
@@ -397,7 +412,7 @@ def transcript(entry: dict) -> list[str]:
     """What a reader sees from a run, rank 0 first: printed lines, then the exception of any rank."""
     lines = []
     for text in entry["printed"]:
-        lines += text.splitlines()
+        lines += printed(text).splitlines()
     return lines + entry["raised"]
 
 
@@ -504,33 +519,83 @@ def render_versions_page(data: dict, config: dict) -> str:
         out.append(f"| {version}{marker} | yes | {needs or 'nothing'} | "
                    f"{'; '.join(aborts) or f'no (in {runs} runs)'} |")
     out.append("")
-    changes = summary(data, config)
-    if not changes:
+    by_command = grouped(data, config)
+    if not any(groups for groups in by_command.values()):
         out.append(f"Every release that runs prints the same as {pinned} in every example of the matrix.")
         return "\n".join(out) + "\n"
-    out.append(f"What differs from {pinned}, example by example (every other line of every example "
-               f"is the same on every release that runs):")
+    out.append(f"What differs from {pinned}, example by example. An example not listed printed the same "
+               f"on every release that runs; so did every line not listed.")
     out.append("")
-    by_command = {}
-    for (command, context, there), per_release in changes.items():
-        by_command.setdefault(command, []).append((context, there, per_release))
-    for command, items in by_command.items():
+    for command, groups in by_command.items():
+        if not groups:
+            continue
         ran = ran_releases(data, command)
         out.append(f"`{command}`")
         out.append("")
-        for context, there, per_release in items:
-            versions = sorted(per_release, key=release_key)
-            first_same = changed_in(versions, ran)
-            where = f" ({context})" if context and context != there else ""
-            lines_there = sorted(set(per_release.values()))
-            out.append(f"- `{there}`{where}: on {span(versions, ran)} instead "
-                       + " / ".join(f"`{line}`" for line in lines_there)
-                       + (f"; changed in {first_same}." if first_same else "."))
+        for versions, entry in groups:
+            first_same = changed_in_group(versions, ran, data, command, pinned)
+            when = f"; changed in {first_same}" if first_same else ""
+            out.append(f"- On {span(versions, ran)}{when}:")
+            for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
+                out.append(f"    - {line}")
             item = upstream_for(config, command, first_same)
             if item:
-                out.append(f"  Upstream: {item['change']}. {item['what']}")
+                out.append(f"    - Upstream: {item['change']}. {item['what']}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def grouped(data: dict, config: dict) -> dict[str, list[tuple[list[str], dict]]]:
+    """Per command: the releases whose transcript differs from the pinned one, grouped by transcript."""
+    pinned = config["pinned"]
+    result = {}
+    for command in commands(config):
+        pinned_entry = data["releases"].get(pinned, {}).get("examples", {}).get(command)
+        groups: dict[tuple, tuple[list[str], dict]] = {}
+        for version in ran_releases(data, command):
+            entry = data["releases"][version]["examples"][command]
+            key = tuple(transcript(entry))
+            if pinned_entry is None or key == tuple(transcript(pinned_entry)):
+                continue
+            groups.setdefault(key, ([], entry))[0].append(version)
+        result[command] = list(groups.values())
+    return result
+
+
+def changed_in_group(versions: list[str], ran: list[str], data: dict, command: str, pinned: str) -> str | None:
+    """The release right after a consecutive run of releases, if that one prints what the pinned one does."""
+    indices = [ran.index(v) for v in versions]
+    if indices != list(range(indices[0], indices[-1] + 1)) or indices[-1] + 1 >= len(ran):
+        return None
+    following = ran[indices[-1] + 1]
+    same = transcript(data["releases"][following]["examples"][command]) == \
+        transcript(data["releases"][pinned]["examples"][command])
+    return following if same else None
+
+
+def describe_difference(entry: dict, pinned_entry: dict, pinned: str) -> list[str]:
+    """How a release's run differs from the pinned one's, in a few lines for the page."""
+    lines = []
+    new_raised = [r for r in entry["raised"] if r not in pinned_entry["raised"]]
+    per_rank = [(printed(a).splitlines(), printed(b).splitlines())
+                for a, b in zip(entry["printed"], pinned_entry["printed"])]
+    if new_raised and all(mine == theirs[:len(mine)] for mine, theirs in per_rank):
+        # Stopped early, with the same output up to there: say where (rank 0's view).
+        mine, theirs = per_rank[0]
+        where = f"after `{mine[-1].strip()}`" if mine else "before printing anything"
+        instead = f" ({pinned} prints `{theirs[len(mine)].strip()}` next)" if len(mine) < len(theirs) else ""
+        return [f"stops {where} with `{raised}`{instead}" for raised in new_raised]
+    for context, here, there in differences({**entry, "raised": []}, {**pinned_entry, "raised": []}):
+        label = f"{context}: " if context and context != there else ""
+        lines.append(f"{label}`{here}` ({pinned}: `{there}`)")
+    for raised in new_raised:
+        lines.append(f"raises `{raised}`")
+    for raised in pinned_entry["raised"]:
+        if raised not in entry["raised"]:
+            lines.append(f"does not raise `{raised}` ({pinned} does)")
+    if entry["ok"] != pinned_entry["ok"] and not new_raised:
+        lines.append("the command " + ("succeeds" if entry["ok"] else "fails") + f" ({pinned}: the opposite)")
+    return lines
 
 
 def render_example_note(data: dict, config: dict, path: str) -> str:
@@ -652,7 +717,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-COMPARED = ("printed", "raised", "ok", "timed_out")
+def comparable(entry: dict) -> dict:
+    return {"printed": [printed(text) for text in entry["printed"]], "raised": entry["raised"],
+            "ok": entry["ok"], "timed_out": entry["timed_out"]}
 
 
 def compare_rows(old: dict | None, new: dict, partial: bool = False) -> list[str]:
@@ -668,7 +735,7 @@ def compare_rows(old: dict | None, new: dict, partial: bool = False) -> list[str
         if committed is None:
             problems.append(f"{key}: not in versions/matrix.json")
             continue
-        if {k: committed[k] for k in COMPARED} != {k: entry[k] for k in COMPARED}:
+        if comparable(committed) != comparable(entry):
             diff = "\n".join(difflib.unified_diff(transcript(committed), transcript(entry), "committed", "now",
                                                   lineterm=""))
             problems.append(f"{key}: differs\n{diff}")
