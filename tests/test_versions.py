@@ -52,15 +52,12 @@ def test_the_generated_files_are_rendered_from_the_data():
 
 
 def test_each_upstream_change_is_where_the_data_shows_a_change():
-    changes = matrix.summary(DATA, CONFIG)
+    by_command = matrix.grouped(DATA, CONFIG)
     for item in CONFIG["upstream"]:
-        found = [
-            (command, context) for (command, context, _), per_release in changes.items()
-            if matrix.example_name(command) == item["example"]
-            and matrix.changed_in(sorted(per_release, key=matrix.release_key),
-                                  matrix.ran_releases(DATA, command)) == item["release"]
-        ]
-        assert found, f"the data shows no change in {item['example']} at {item['release']}"
+        command = next(c for c in matrix.commands(CONFIG) if matrix.example_name(c) == item["example"])
+        ran = matrix.ran_releases(DATA, command)
+        firsts = [matrix.changed_in_group(versions, ran, DATA, command, PINNED) for versions, _ in by_command[command]]
+        assert item["release"] in firsts, f"the data shows no change in {item['example']} at {item['release']}"
 
 
 def test_the_two_known_differences_are_in_the_data():
@@ -122,3 +119,22 @@ def test_the_pinned_row_equals_a_fresh_run(command):
     assert printed == committed["printed"], report + result.failure_report()
     assert raised == sorted({unqualified(line) for line in committed["raised"]}), report + result.failure_report()
     assert result.ok == committed["ok"], report + result.failure_report()
+
+
+def test_each_page_names_the_releases_its_examples_ran_on():
+    """hooks/versions.py: a page that includes a matrix example lists every other release it ran on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("versions_hook", ROOT / "hooks" / "versions.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = (ROOT / "docs" / "zero3" / "automatic-detection.md").read_text()
+    expected = [v for v in matrix.ran_releases(DATA, "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py")
+                if v != PINNED]
+    assert hook.releases_checked(page, DATA, CONFIG) == expected and expected
+    assert hook.releases_checked("no examples here", DATA, CONFIG) == []
+    every = set()
+    for command in matrix.commands(CONFIG):
+        every.update(matrix.ran_releases(DATA, command))
+    versions_page = (ROOT / "docs" / "versions.md").read_text()
+    assert hook.releases_checked(versions_page, DATA, CONFIG) == sorted(every - {PINNED}, key=matrix.release_key)

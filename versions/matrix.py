@@ -599,27 +599,27 @@ def describe_difference(entry: dict, pinned_entry: dict, pinned: str) -> list[st
 
 
 def render_example_note(data: dict, config: dict, path: str) -> str:
-    """A note for the page that shows `path`: the releases where its output differs."""
-    changes = summary(data, config)
+    """A note for the page that shows `path`: the releases it ran on, and where its output differs."""
     pinned = config["pinned"]
+    by_command = grouped(data, config)
     lines = []
-    for (command, context, there), per_release in changes.items():
+    others = set()
+    for command, groups in by_command.items():
         if example_name(command) != path:
             continue
         ran = ran_releases(data, command)
-        versions = sorted(per_release, key=release_key)
-        first_same = changed_in(versions, ran)
-        label = f"{context}: " if context and context != there else ""
-        lines.append(f"- {label}`{there}` on {pinned}; on {span(versions, ran)}: "
-                     + " / ".join(f"`{line}`" for line in sorted(set(per_release.values())))
-                     + (f" (changed in {first_same})" if first_same else ""))
-    command_list = [c for c in commands(config) if example_name(c) == path]
-    others = [v for v in (ran_releases(data, command_list[0]) if command_list else []) if v != pinned]
+        others.update(v for v in ran if v != pinned)
+        for versions, entry in groups:
+            first_same = changed_in_group(versions, ran, data, command, pinned)
+            when = f" (changed in {first_same})" if first_same else ""
+            for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
+                lines.append(f"On {span(versions, ran)}{when}: {line}")
     head = (f'!!! note "Other DeepSpeed releases"\n    This example was also run on DeepSpeed '
-            f"{', '.join(others) or '(none yet)'} ([DeepSpeed versions](../versions.md)).")
+            f"{', '.join(sorted(others, key=release_key)) or '(none yet)'} "
+            f"([DeepSpeed versions](../versions.md)).")
     if not lines:
         return head + f" Every release printed the same as {pinned}.\n"
-    return head + f" What differs from {pinned}:\n\n" + "".join(f"    {line}\n" for line in lines)
+    return head + f" What differs from {pinned}:\n\n" + "".join(f"    - {line}\n" for line in lines)
 
 
 GENERATED_FILES = {
