@@ -45,7 +45,8 @@ CONSTRAINTS = ROOT / "constraints.txt"
 ENVS = Path(os.environ.get("MATRIX_ENVS", Path.home() / ".cache" / "shared-params-docs" / "matrix"))
 # Bump when the way an environment is built changes: every environment is rebuilt.
 RECIPE = "1: torch linked from a base env; DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==X"
-RUN_TIMEOUT = 600.0  # seconds for one torchrun command (a cold environment compiles an op first)
+RUN_TIMEOUT = 900.0  # seconds for one torchrun command
+PROBE_TIMEOUT = 2400.0  # the first import compiles an op: ~5 min on 2 loaded cores, 10+ when very loaded
 
 # Lines DeepSpeed itself writes to stdout (its logger, its op loader): not the example's output.
 # The same filter as the test runner's (tests/runner.py, DEEPSPEED_NOISE).
@@ -310,9 +311,20 @@ def probe(python: Path, env: Path, extra: dict[str, str]) -> dict:
     environment = run_environment(env, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                         "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                         "MASTER_PORT": str(free_port()), **extra})
+    # A compile that was interrupted (a killed run) leaves torch's lock file behind, and the next
+    # load would wait for it forever. Only this process builds in this environment (.build.lock).
+    for stale in extensions_dir(env).glob("*/lock"):
+        stale.unlink()
     started = time.monotonic()
-    done = subprocess.run([str(python), "-c", code], cwd=ROOT, env=environment, capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT)
+    process = subprocess.Popen([str(python), "-c", code], cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the compiler too, not only the interpreter
+        process.communicate()
+        raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     result = {"ok": done.returncode == 0, "seconds": round(time.monotonic() - started, 1)}
     if done.returncode == 0:
         result["versions"] = done.stdout.split()[-2:]
@@ -357,7 +369,17 @@ def run_release(version: str, config: dict, repeat: int, only: list[str] | None 
         python = env / "bin" / "python"
         log(f"{version}: environment {'built' if built else 'reused'} ({build_seconds} s); "
             f"importing deepspeed and starting a one-rank group")
-        row = {"env": extra, "probe": probe(python, env, extra)}
+        # The probe's result is kept with the environment: a warm run (same environment,
+        # same variables) reuses it; the examples import DeepSpeed again anyway.
+        cached = env / ".matrix-probe.json"
+        key = (env / ".matrix-stamp").read_text() + json.dumps(extra, sort_keys=True)
+        kept = json.loads(cached.read_text()) if cached.is_file() else {}
+        if kept.get("key") == key:
+            row = {"env": extra, "probe": {**kept["probe"], "seconds": 0.0}}
+        else:
+            row = {"env": extra, "probe": probe(python, env, extra)}
+            cached.write_text(json.dumps({"key": key, "probe": {k: v for k, v in row["probe"].items()
+                                                                 if k != "seconds"}}))
     log(f"{version}: import {'ok' if row['probe']['ok'] else 'failed'} ({row['probe']['seconds']} s)")
     timings = {"built": built, "build_seconds": build_seconds, "probe_seconds": row["probe"].pop("seconds")}
     if not row["probe"]["ok"]:
