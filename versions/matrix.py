@@ -45,6 +45,8 @@ CONSTRAINTS = ROOT / "constraints.txt"
 ENVS = Path(os.environ.get("MATRIX_ENVS", Path.home() / ".cache" / "shared-params-docs" / "matrix"))
 # Bump when the way an environment is built changes: every environment is rebuilt.
 RECIPE = "1: torch linked from a base env; DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==X"
+# What ensure_env runs (with the constraints file and the packages the examples need), as the page says it.
+INSTALL_COMMAND = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==X"
 RUN_TIMEOUT = 900.0  # seconds for one torchrun command
 PROBE_TIMEOUT = 2400.0  # the first import compiles an op: ~5 min on 2 loaded cores, 10+ when very loaded
 
@@ -521,6 +523,9 @@ def render_versions_page(data: dict, config: dict) -> str:
     all_versions = releases(config)
     pinned = config["pinned"]
     out = []
+    out.append(f"Every release was installed with `{INSTALL_COMMAND}` beside torch {data.get('torch')} "
+               f"(Python {data.get('python')}).")
+    out.append("")
     out.append("| Release | Runs the examples? | Needs | Exit abort seen |")
     out.append("|---|---|---|---|")
     for version in all_versions:
