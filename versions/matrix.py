@@ -561,11 +561,12 @@ def render_versions_page(data: dict, config: dict) -> str:
         out.append("")
         for versions, entry in groups:
             first_same = changed_in_group(versions, ran, data, command, pinned)
-            when = f"; changed in {first_same}" if first_same else ""
+            when = f"; {when_changed(versions[-1], first_same)}" if first_same else ""
             out.append(f"- On {span(versions, ran)}{when}:")
             for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
                 out.append(f"    - {line}")
-            item = upstream_for(config, command, first_same)
+            exact = first_same and when_changed(versions[-1], first_same).startswith("changed in")
+            item = upstream_for(config, command, first_same) if exact else None
             if item:
                 out.append(f"    - Upstream: {item['change']}. {item['what']}")
         out.append("")
@@ -598,6 +599,14 @@ def changed_in_group(versions: list[str], ran: list[str], data: dict, command: s
     same = transcript(data["releases"][following]["examples"][command]) == \
         transcript(data["releases"][pinned]["examples"][command])
     return following if same else None
+
+
+def when_changed(last_different: str, first_same: str) -> str:
+    """`changed in 0.16.5` when the two releases are consecutive, else `changed between A and B`."""
+    a, b = release_key(last_different), release_key(first_same)
+    if a[:-1] == b[:-1] and b[-1] == a[-1] + 1:
+        return f"changed in {first_same}"
+    return f"changed between {last_different} and {first_same}"
 
 
 def describe_difference(entry: dict, pinned_entry: dict, pinned: str) -> list[str]:
@@ -638,7 +647,7 @@ def render_example_note(data: dict, config: dict, path: str) -> str:
         others.update(v for v in ran if v != pinned)
         for versions, entry in groups:
             first_same = changed_in_group(versions, ran, data, command, pinned)
-            when = f" (changed in {first_same})" if first_same else ""
+            when = f" ({when_changed(versions[-1], first_same)})" if first_same else ""
             for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
                 lines.append(f"On {span(versions, ran)}{when}: {line}")
     head = (f'!!! note "Other DeepSpeed releases"\n    This example was also run on DeepSpeed '
