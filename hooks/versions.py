@@ -42,7 +42,7 @@ def releases_checked(markdown: str, data: dict, config: dict) -> list[str]:
     for command in matrix.commands(config):
         if matrix.example_name(command) in included:
             ran.update(matrix.ran_releases(data, command))
-    if any(path.startswith("versions/generated/") for path in included):
+    if any(path.startswith("snippets/versions/") for path in included):
         for command in matrix.commands(config):
             ran.update(matrix.ran_releases(data, command))
     ran.discard(installed("deepspeed"))

@@ -3,7 +3,7 @@ run in each with real `torchrun`, the outcomes kept in versions/matrix.json.
 
     python3 tasks.py matrix                 build what is missing, run everything, write the data
     python3 tasks.py matrix --check         run everything, fail if any release differs from the data
-    python3 tasks.py matrix --render        only regenerate versions/generated/*.md from the data
+    python3 tasks.py matrix --render        only regenerate snippets/versions/*.md from the data
     python3 tasks.py matrix --release 0.16.4 --release 0.19.8   only these releases
     python3 tasks.py matrix --repeat 5      run every documented command 5 times
 
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "versions" / "releases.toml"
 DATA_FILE = ROOT / "versions" / "matrix.json"
-GENERATED = ROOT / "versions" / "generated"
+GENERATED = ROOT / "snippets" / "versions"
 CONSTRAINTS = ROOT / "constraints.txt"
 ENVS = Path(os.environ.get("MATRIX_ENVS", Path.home() / ".cache" / "shared-params-docs" / "matrix"))
 # Bump when the way an environment is built changes: every environment is rebuilt.
@@ -697,7 +697,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tasks.py matrix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="compare with versions/matrix.json instead of writing it; exit 1 on a difference")
-    parser.add_argument("--render", action="store_true", help="only regenerate versions/generated/*.md")
+    parser.add_argument("--render", action="store_true", help="only regenerate snippets/versions/*.md")
     parser.add_argument("--release", action="append", help="only this release (repeatable)")
     parser.add_argument("--example", action="append", help="only commands containing this text (repeatable)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of every documented command (default 1)")
@@ -749,7 +749,8 @@ def main(argv: list[str]) -> int:
         for failure in failures:
             print(f"matrix: DIFFERS {failure}", file=sys.stderr)
         return 1 if failures else 0
-    write_generated(data)
+    with locked(".data.lock"):
+        write_generated(load_data())
     return 0
 
 
