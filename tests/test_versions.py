@@ -110,7 +110,8 @@ def unqualified(line: str) -> str:
 def test_the_pinned_row_equals_a_fresh_run(command):
     """The data's row for the pinned release is what the examples do now, in this environment."""
     _, _, ranks, path = command.split(" ", 3)
-    committed = DATA["releases"][PINNED]["examples"][command]
+    committed = DATA["releases"][PINNED]["examples"].get(command)
+    assert committed is not None, f"no {PINNED} row for {command}: python3 tasks.py matrix --release {PINNED}"
     # A generous timeout: on a loaded machine a run can take minutes; a timeout fails the test.
     result = run_snippet(path, world_size=int(ranks), timeout=600)
     assert not result.timed_out, result.failure_report()
