@@ -5,6 +5,7 @@
     python3 tasks.py test  [pytest options]         run the whole test suite
     python3 tasks.py test --quick [pytest options]  only the examples and pages (no `slow` tests)
     python3 tasks.py notebook [jupyter lab options] open the walkthrough notebook in JupyterLab
+    python3 tasks.py matrix [--check] [--help]      the DeepSpeed version matrix (versions/matrix.py)
 
 `test` runs pytest on every core (pytest-xdist: -n os.cpu_count(), a test file's tests
 on one worker); pass -n 0 to run in one process. `serve` reuses the notebook's last
@@ -183,7 +184,27 @@ def environment() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("NO_MKDOCS_2_WARNING", "1")
     env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(own_extensions_dir()))
     return env
+
+
+def own_extensions_dir() -> Path:
+    # DeepSpeed compiles its CPU communication op on first use into TORCH_EXTENSIONS_DIR
+    # (default ~/.cache/torch_extensions). Environments with different DeepSpeed releases
+    # sharing that directory rebuild it back and forth and crash each other
+    # (AttributeError: module 'deepspeed_shm_comm' has no attribute 'vector_kernel_level'),
+    # so this environment keeps its own, as every environment of the version matrix does.
+    return VENV / "torch_extensions"
+
+
+def matrix(rest: list[str]) -> int:
+    # The DeepSpeed version matrix builds its own environments (one per release); it does
+    # not need .venv/. Standard library only, like this file.
+    if sys.version_info[:2] != (3, 11):
+        die(f"needs Python 3.11 (the pinned torch 2.13.0 wheel is cp311); this is {sys.version.split()[0]}")
+    sys.path.insert(0, str(ROOT / "versions"))
+    import matrix as version_matrix
+    return version_matrix.main(rest)
 
 
 def run_in_venv(*args: str) -> int:
@@ -191,6 +212,8 @@ def run_in_venv(*args: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "matrix":
+        return matrix(argv[1:])
     if not argv or argv[0] not in {"serve", "test", "notebook", "install"}:
         print(__doc__, file=sys.stderr)
         return 2

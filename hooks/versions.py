@@ -1,10 +1,23 @@
-"""MkDocs hook: stamp every page with the torch and DeepSpeed versions installed at build time.
+"""MkDocs hook: stamp every page with the versions its examples were run with.
 
-The versions come from the environment that builds the site, the same one the
-tests run the examples in, so the stamp cannot drift from what was verified.
+- torch and DeepSpeed installed at build time: the environment that builds the site is the
+  one the tests run the examples in, so this part of the stamp cannot drift from what was
+  verified.
+- The other DeepSpeed releases the page's examples were run on, from the version matrix's
+  data (versions/matrix.json, written by `python3 tasks.py matrix`): a page that includes a
+  snippet of the matrix names every release that snippet ran on; the "DeepSpeed versions"
+  page, which includes the matrix's generated summary, names every release that ran.
 """
 
+import re
+import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "versions"))
+import matrix  # noqa: E402  (versions/matrix.py: standard library only)
+
+INCLUDE = re.compile(r"""--8<--\s+["']([^"':]+)""")
 
 
 def installed(package: str) -> str:
@@ -21,3 +34,21 @@ def on_config(config):
     }
     return config
 
+
+def releases_checked(markdown: str, data: dict, config: dict) -> list[str]:
+    """The releases other than the installed one that ran the examples this page includes."""
+    included = set(INCLUDE.findall(markdown))
+    ran = set()
+    for command in matrix.commands(config):
+        if matrix.example_name(command) in included:
+            ran.update(matrix.ran_releases(data, command))
+    if any(path.startswith("snippets/versions/") for path in included):
+        for command in matrix.commands(config):
+            ran.update(matrix.ran_releases(data, command))
+    ran.discard(installed("deepspeed"))
+    return sorted(ran, key=matrix.release_key)
+
+
+def on_page_markdown(markdown, page, config, files):
+    page.meta["also_checked_with"] = releases_checked(markdown, matrix.load_data(), matrix.load_releases())
+    return markdown

@@ -1,0 +1,143 @@
+"""The DeepSpeed version matrix (versions/): its data file, the pages rendered from it, and the
+pinned release's row against a fresh run in this environment."""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from runner import ROOT, run_snippet
+
+sys.path.insert(0, str(ROOT / "versions"))
+import matrix  # noqa: E402
+
+CONFIG = matrix.load_releases()
+DATA = matrix.load_data()
+PINNED = CONFIG["pinned"]
+
+
+def test_the_pinned_release_is_the_installed_one():
+    assert PINNED == matrix.pinned_in_constraints() == version("deepspeed")
+    assert DATA["pinned"] == PINNED and DATA["torch"] == version("torch").split("+")[0]
+
+
+def test_the_releases_list_covers_the_releases_the_pages_discuss():
+    listed = matrix.releases(CONFIG)
+    # The latest of 0.14, 0.15, 0.17, 0.18; both sides of the two changes; the pinned one.
+    for required in ("0.14.5", "0.15.4", "0.16.4", "0.16.5", "0.17.6", "0.18.9", "0.19.2",
+                     "0.19.3", PINNED):
+        assert required in listed
+
+
+def test_the_data_has_every_release_and_every_documented_command():
+    commands = matrix.commands(CONFIG)
+    assert len(commands) >= 6
+    ran = [v for v in matrix.releases(CONFIG) if DATA["releases"].get(v, {}).get("probe", {}).get("ok")]
+    assert len(ran) >= 7, f"only {ran} ran"
+    for release in matrix.releases(CONFIG):
+        row = DATA["releases"].get(release)
+        assert row is not None, f"{release} is listed but not in versions/matrix.json: run python3 tasks.py matrix"
+        if row["probe"]["ok"]:
+            assert sorted(row["examples"]) == sorted(commands), f"{release}: run python3 tasks.py matrix"
+            assert row["env"] == {k: str(v) for k, v in CONFIG["releases"][release].get("env", {}).items()}
+
+
+def test_the_generated_files_are_rendered_from_the_data():
+    for name, text in matrix.render(DATA, CONFIG).items():
+        path = matrix.GENERATED / name
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: python3 tasks.py matrix --render"
+
+
+def test_each_upstream_change_is_where_the_data_shows_a_change():
+    by_command = matrix.grouped(DATA, CONFIG)
+    for item in CONFIG["upstream"]:
+        command = next(c for c in matrix.commands(CONFIG) if matrix.example_name(c) == item["example"])
+        ran = matrix.ran_releases(DATA, command)
+        firsts = [matrix.changed_in_group(versions, ran, DATA, command, PINNED) for versions, _ in by_command[command]]
+        assert item["release"] in firsts, f"the data shows no change in {item['example']} at {item['release']}"
+
+
+def test_the_two_known_differences_are_in_the_data():
+    """What the versions page shows (from the data): engine.module(...) is auto-detected from
+    0.16.5; the registered ModuleZ3 weight is released after backward from 0.19.3."""
+    changes = matrix.summary(DATA, CONFIG)
+    detection = {context: per_release for (command, context, _), per_release in changes.items()
+                 if "automatic_detection" in command}
+    row = detection["engine.module(...) instead of engine(...)"]
+    assert max(row, key=matrix.release_key) == "0.16.4" and "0.16.5" in matrix.ran_releases(
+        DATA, "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py"), "run python3 tasks.py matrix"
+    assert all("size mismatch" in line and "vec (0)" in line for line in row.values())
+    z3 = [(there, per_release) for (command, _, there), per_release in changes.items() if "module_z3" in command]
+    assert z3 and all(max(per_release, key=matrix.release_key) == "0.19.2" for _, per_release in z3), \
+        f"ModuleZ3 differs up to {[max(r, key=matrix.release_key) for _, r in z3]}: run python3 tasks.py matrix"
+    assert any("after engine.backward" in there and "NOT_AVAILABLE" in there for there, _ in z3)
+    assert all("AVAILABLE" in line for _, per_release in z3 for line in per_release.values())
+
+
+def test_differences_and_spans():
+    entry = {"printed": ["a\n  x 1\nb\n  y 2\n"], "raised": []}
+    pinned = {"printed": ["a\n  x 1\nb\n  y 3\n"], "raised": []}
+    assert matrix.differences(entry, pinned) == [("b", "y 2", "y 3")]
+    ran = ["0.14.5", "0.15.4", "0.16.4", "0.16.5", "0.19.8"]
+    assert matrix.changed_in(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.16.5"
+    assert matrix.changed_in(["0.15.4"], ran) is None
+    assert matrix.span(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.14.5 to 0.16.4"
+
+
+def test_an_abort_at_exit_is_recorded_not_counted_as_a_failure():
+    ranks = [{"printed": "done\n", "raised": None, "aborted_at_exit": True},
+             {"printed": "", "raised": None, "aborted_at_exit": False}]
+    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["ok"] is True
+    ranks[1]["raised"] = "RuntimeError: boom"
+    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["ok"] is False
+
+
+def test_the_last_exception_of_a_rank_is_read_from_its_stderr():
+    stderr = ("warning\n[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n"
+              "[rank0]:     f()\n[rank0]: RuntimeError: mat2 must be a matrix\n")
+    assert matrix.last_exception(stderr) == "RuntimeError: mat2 must be a matrix"
+
+
+def unqualified(line: str) -> str:
+    """`torch.distributed.DistBackendError: m` -> `DistBackendError: m` (the runner keeps the short name)."""
+    return re.sub(r"^(?:[\w]+\.)+(\w+:)", r"\1", line)
+
+
+@pytest.mark.parametrize("command", matrix.commands(CONFIG))
+def test_the_pinned_row_equals_a_fresh_run(command):
+    """The data's row for the pinned release is what the examples do now, in this environment."""
+    _, _, ranks, path = command.split(" ", 3)
+    committed = DATA["releases"][PINNED]["examples"].get(command)
+    assert committed is not None, f"no {PINNED} row for {command}: python3 tasks.py matrix --release {PINNED}"
+    # A generous timeout: on a loaded machine a run can take minutes; a timeout fails the test.
+    result = run_snippet(path, world_size=int(ranks), timeout=600)
+    assert not result.timed_out, result.failure_report()
+    printed = [matrix.printed(rank.stdout) for rank in result.ranks]
+    raised = sorted({f"{rank.exception['name']}: {str(rank.exception['message']).splitlines()[0]}"
+                     for rank in result.ranks if rank.exception})
+    report = f"versions/matrix.json's {PINNED} row is stale: python3 tasks.py matrix --release {PINNED}\n"
+    assert printed == committed["printed"], report + result.failure_report()
+    assert raised == sorted({unqualified(line) for line in committed["raised"]}), report + result.failure_report()
+    assert result.ok == committed["ok"], report + result.failure_report()
+
+
+def test_each_page_names_the_releases_its_examples_ran_on():
+    """hooks/versions.py: a page that includes a matrix example lists every other release it ran on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("versions_hook", ROOT / "hooks" / "versions.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = (ROOT / "docs" / "zero3" / "automatic-detection.md").read_text()
+    expected = [v for v in matrix.ran_releases(DATA, "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py")
+                if v != PINNED]
+    assert hook.releases_checked(page, DATA, CONFIG) == expected and expected
+    assert hook.releases_checked("no examples here", DATA, CONFIG) == []
+    every = set()
+    for command in matrix.commands(CONFIG):
+        every.update(matrix.ran_releases(DATA, command))
+    versions_page = (ROOT / "docs" / "versions.md").read_text()
+    assert hook.releases_checked(versions_page, DATA, CONFIG) == sorted(every - {PINNED}, key=matrix.release_key)

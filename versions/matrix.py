@@ -1,0 +1,801 @@
+"""The DeepSpeed version matrix: one environment per release, the version-sensitive examples
+run in each with real `torchrun`, the outcomes kept in versions/matrix.json.
+
+    python3 tasks.py matrix                 build what is missing, run everything, write the data
+    python3 tasks.py matrix --check         run everything, fail if any release differs from the data
+    python3 tasks.py matrix --render        only regenerate snippets/versions/*.md from the data
+    python3 tasks.py matrix --release 0.16.4 --release 0.19.8   only these releases
+    python3 tasks.py matrix --repeat 5      run every documented command 5 times
+
+Standard library only: tasks.py runs it before anything is installed, and the tests and the
+MkDocs hook import it to read the data.
+
+Environments live outside the clone, in $MATRIX_ENVS (default
+~/.cache/shared-params-docs/matrix/<release>/), so a fresh clone on the same machine reuses
+them; a missing or outdated one is (re)built. Each has its own TORCH_EXTENSIONS_DIR inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASES_FILE = ROOT / "versions" / "releases.toml"
+DATA_FILE = ROOT / "versions" / "matrix.json"
+GENERATED = ROOT / "snippets" / "versions"
+CONSTRAINTS = ROOT / "constraints.txt"
+ENVS = Path(os.environ.get("MATRIX_ENVS", Path.home() / ".cache" / "shared-params-docs" / "matrix"))
+# Bump when the way an environment is built changes: every environment is rebuilt.
+RECIPE = "1: torch linked from a base env; DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==X"
+# What ensure_env runs (with the constraints file and the packages the examples need), as the page says it.
+INSTALL_COMMAND = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==X"
+RUN_TIMEOUT = 900.0  # seconds for one torchrun command
+PROBE_TIMEOUT = 2400.0  # the first import compiles an op: ~5 min on 2 loaded cores, 10+ when very loaded
+
+# Lines DeepSpeed itself writes to stdout (its logger, its op loader): not the example's output.
+# The same filter as the test runner's (tests/runner.py, DEEPSPEED_NOISE).
+DEEPSPEED_NOISE = re.compile(
+    r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] "
+    r"|DeepSpeed \S+ built successfully$)"
+)
+TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
+ABORT_AT_EXIT = "terminate called without an active exception"
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+# --- the list -------------------------------------------------------------------------------
+
+def load_releases() -> dict:
+    return tomllib.loads(RELEASES_FILE.read_text())
+
+
+def release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def releases(config: dict | None = None) -> list[str]:
+    config = config or load_releases()
+    return sorted(config["releases"], key=release_key)
+
+
+def example_files(config: dict | None = None) -> list[str]:
+    config = config or load_releases()
+    files = []
+    for pattern in config["examples"]:
+        matched = sorted(glob.glob(pattern, root_dir=ROOT))
+        for path in matched:
+            if path not in files:
+                files.append(path)
+    return files
+
+
+def documented_commands(path: str) -> list[tuple[int, str]]:
+    """The (ranks, path) of every torchrun command the file's docstring documents for itself."""
+    text = (ROOT / path).read_text()
+    found = []
+    for ranks, target in TORCHRUN.findall(text):
+        if target == path and (int(ranks), path) not in found:
+            found.append((int(ranks), path))
+    return found
+
+
+def commands(config: dict | None = None) -> list[str]:
+    """The matrix's keys: `torchrun --nproc_per_node N snippets/...py`, one per documented command."""
+    return [f"torchrun --nproc_per_node {ranks} {path}"
+            for path in example_files(config) for ranks, path in documented_commands(path)]
+
+
+def pinned_in_constraints() -> str:
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.startswith("deepspeed=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit("constraints.txt pins no deepspeed")
+
+
+def torch_pin() -> str:
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.startswith("torch=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit("constraints.txt pins no torch")
+
+
+# --- environments ---------------------------------------------------------------------------
+
+def constraints_without_deepspeed() -> str:
+    return "".join(line + "\n" for line in CONSTRAINTS.read_text().splitlines()
+                   if not line.startswith("deepspeed=="))
+
+
+def fingerprint(*parts: str) -> str:
+    digest = hashlib.sha256()
+    for part in (RECIPE, sys.version.split()[0], *parts):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def log(message: str) -> None:
+    print(f"matrix: {message}", flush=True)
+
+
+def pip(python: Path, *args: str, env: dict | None = None, logfile: Path) -> None:
+    command = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
+    with open(logfile, "a") as out:
+        out.write("+ " + " ".join(command) + "\n")
+        out.flush()
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[1:])} failed (exit {done.returncode}); see {logfile}")
+
+
+def site_packages(env_dir: Path) -> Path:
+    return env_dir / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+
+
+def ensure_base(constraints: Path) -> Path:
+    """A torch-only environment, built once; release environments hard-link its files.
+
+    Every release then has byte-identical torch files, and a cold release environment
+    costs a DeepSpeed install instead of a torch install too.
+    """
+    base = ENVS / f"_base-torch-{torch_pin()}"
+    stamp = fingerprint("base", torch_pin(), constraints.read_text())
+    if (base / ".matrix-stamp").is_file() and (base / ".matrix-stamp").read_text() == stamp:
+        return base
+    shutil.rmtree(base, ignore_errors=True)
+    log(f"building the base environment {base} (torch {torch_pin()})")
+    venv.create(base, with_pip=True)
+    pip(base / "bin" / "python", "-c", str(constraints), f"torch=={torch_pin()}", "setuptools", "pip",
+        logfile=base / "build.log")
+    (base / ".matrix-stamp").write_text(stamp)
+    return base
+
+
+def link_tree(source: Path, target: Path) -> None:
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    shutil.copytree(source, target, copy_function=link, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def env_dir(version: str) -> Path:
+    return ENVS / version
+
+
+def extensions_dir(env: Path) -> Path:
+    """DeepSpeed's JIT-compiled ops for this environment only (never ~/.cache/torch_extensions)."""
+    return env / "torch_extensions"
+
+
+def env_stamp(version: str, config: dict) -> str:
+    packages = list(config.get("packages", []))
+    return fingerprint("release", version, torch_pin(), constraints_without_deepspeed(), *packages)
+
+
+def env_is_current(version: str, config: dict) -> bool:
+    stamp = env_dir(version) / ".matrix-stamp"
+    return stamp.is_file() and stamp.read_text() == env_stamp(version, config)
+
+
+def ensure_env(version: str, config: dict) -> tuple[Path, bool]:
+    """The release's environment, built unless an up-to-date one exists. Returns (dir, built)."""
+    env = env_dir(version)
+    packages = list(config.get("packages", []))
+    constraints_text = constraints_without_deepspeed()
+    stamp = env_stamp(version, config)
+    if env_is_current(version, config):
+        return env, False
+    ENVS.mkdir(parents=True, exist_ok=True)
+    constraints = ENVS / "constraints-without-deepspeed.txt"
+    constraints.write_text(constraints_text)
+    base = ensure_base(constraints)
+    shutil.rmtree(env, ignore_errors=True)
+    log(f"building {env} (deepspeed {version})")
+    venv.create(env, with_pip=False)
+    link_tree(site_packages(base), site_packages(env))
+    python = env / "bin" / "python"
+    # torchrun, as pip would write it, for this environment's interpreter.
+    torchrun = env / "bin" / "torchrun"
+    torchrun.write_text(f"#!{python}\nimport sys\nfrom torch.distributed.run import main\n"
+                        "if __name__ == '__main__':\n    sys.exit(main())\n")
+    torchrun.chmod(0o755)
+    build_env = {**os.environ, "DS_BUILD_OPS": "0"}
+    logfile = env / "build.log"
+    pip(python, "-c", str(constraints), "--no-build-isolation", f"deepspeed=={version}", *packages,
+        env=build_env, logfile=logfile)
+    (env / ".matrix-stamp").write_text(stamp)
+    return env, True
+
+
+# --- runs -----------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_environment(env: Path, extra: dict[str, str]) -> dict[str, str]:
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "LOCAL_SIZE"}}
+    environment.update({
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir(env)),
+        "PATH": f"{env / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    })
+    return environment
+
+
+def last_exception(stderr: str) -> str | None:
+    """The `Type: message` line of the last traceback in a rank's stderr, if it has one."""
+    lines = [RANK_PREFIX.sub("", line) for line in stderr.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:
+        if line and not line[0].isspace():
+            return line.rstrip()
+    return None
+
+
+# What older releases also print to stdout themselves: their op loader and torch's extension
+# builder, and their configuration, logged as JSON over many lines (only the first line has the
+# logger's prefix). Lines of such a dump are recognised on their own, so that filtering twice
+# changes nothing (the data file keeps filtered output; a wider filter applies to it later).
+OLDER_NOISE = re.compile(
+    r"^(ninja: no work to do\.$|Time to load \S+ op: [\d.e+-]+ seconds$"
+    r"|Parameter Offload: Total persistent parameters: \d+ in \d+ params$"
+    r"|Using \S+ as PyTorch extensions root\.\.\.$|Emitting ninja build file |Building extension module "
+    r"|Loading extension module |Allowing ninja to set a default number of workers"
+    r'|\s*"[^"]+": .*$|\s*[{}\]],?\s*$)'
+)
+
+
+def printed(stdout: str) -> str:
+    """What the example printed itself: stdout without the lines DeepSpeed and torch write."""
+    return "".join(line + "\n" for line in stdout.splitlines()
+                   if not DEEPSPEED_NOISE.match(line) and not OLDER_NOISE.match(line))
+
+
+def run_command(python: Path, env: Path, ranks: int, path: str, extra: dict[str, str]) -> dict:
+    """One documented command with real torchrun: what each rank printed, raised and exited with."""
+    with tempfile.TemporaryDirectory(prefix="matrix-run-") as logs:
+        command = [str(python), "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_port", str(free_port()), "--log-dir", logs, "--redirects", "3",
+                   "--tee", "0", path]
+        started = time.monotonic()
+        process = subprocess.Popen(command, cwd=ROOT, env=run_environment(env, extra),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+        try:
+            agent_out, agent_err = process.communicate(timeout=RUN_TIMEOUT)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            agent_out, agent_err = process.communicate()
+            timed_out = True
+        seconds = time.monotonic() - started
+        outcome = {"ranks": [], "exit": process.returncode, "timed_out": timed_out}
+        for rank in range(ranks):
+            found = glob.glob(os.path.join(logs, "*", "attempt_0", str(rank)))
+            stdout = stderr = ""
+            if found:
+                stdout = Path(found[0], "stdout.log").read_text(errors="replace")
+                stderr = Path(found[0], "stderr.log").read_text(errors="replace")
+            outcome["ranks"].append({
+                "printed": printed(stdout),
+                "raised": last_exception(stderr),
+                "aborted_at_exit": ABORT_AT_EXIT in stderr,
+            })
+    outcome["seconds"] = round(seconds, 1)
+    return outcome
+
+
+def probe(python: Path, env: Path, extra: dict[str, str]) -> dict:
+    """Import DeepSpeed and start a one-rank gloo group (this compiles DeepSpeed's CPU
+    communication op into the environment's TORCH_EXTENSIONS_DIR once)."""
+    code = ("import deepspeed, torch\n"
+            "deepspeed.init_distributed(dist_backend='gloo')\n"
+            "torch.distributed.barrier()\n"
+            "print(deepspeed.__version__, torch.__version__)\n")
+    environment = run_environment(env, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": str(free_port()), **extra})
+    # A compile that was interrupted (a killed run) leaves torch's lock file behind, and the next
+    # load would wait for it forever. Only this process builds in this environment (.build.lock).
+    for stale in extensions_dir(env).glob("*/lock"):
+        stale.unlink()
+    started = time.monotonic()
+    process = subprocess.Popen([str(python), "-c", code], cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the compiler too, not only the interpreter
+        process.communicate()
+        raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    result = {"ok": done.returncode == 0, "seconds": round(time.monotonic() - started, 1)}
+    if done.returncode == 0:
+        result["versions"] = done.stdout.split()[-2:]
+    else:
+        result["raised"] = last_exception(done.stderr) or (done.stderr.strip().splitlines() or ["?"])[-1]
+    return result
+
+
+def compared(outcome: dict) -> dict:
+    """The part of a run that must be the same every time: what each rank printed, the
+    exceptions raised (by any rank: when one rank fails, torchrun stops the others, so which
+    rank gets to raise first varies), and whether the command succeeded. An abort at exit after
+    a run that raised nothing counts as success here: it is recorded separately (intermittent)."""
+    raised = sorted({rank["raised"] for rank in outcome["ranks"] if rank["raised"]})
+    aborted = any(rank["aborted_at_exit"] for rank in outcome["ranks"])
+    return {"printed": [rank["printed"] for rank in outcome["ranks"]], "raised": raised,
+            "ok": outcome["exit"] == 0 or (aborted and not raised and not outcome["timed_out"]),
+            "timed_out": outcome["timed_out"]}
+
+
+@contextlib.contextmanager
+def locked(name: str):
+    """An exclusive lock on ENVS/name, held by one `tasks.py matrix` process at a time."""
+    ENVS.mkdir(parents=True, exist_ok=True)
+    with open(ENVS / name, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def run_release(version: str, config: dict, repeat: int, only: list[str] | None = None) -> dict:
+    spec = config["releases"][version]
+    extra = {key: str(value) for key, value in spec.get("env", {}).items()}
+    # Building (pip, and the op DeepSpeed compiles on its first run, which the probe triggers)
+    # is the heavy part: two matrix processes never build at the same time. A warm environment
+    # (up to date, its op compiled) needs no lock.
+    warm = env_is_current(version, config) and any(extensions_dir(env_dir(version)).glob("*/*.so"))
+    with (contextlib.nullcontext() if warm else locked(".build.lock")):
+        started = time.monotonic()
+        env, built = ensure_env(version, config)
+        build_seconds = round(time.monotonic() - started, 1)
+        python = env / "bin" / "python"
+        log(f"{version}: environment {'built' if built else 'reused'} ({build_seconds} s); "
+            f"importing deepspeed and starting a one-rank group")
+        # The probe's result is kept with the environment: a warm run (same environment,
+        # same variables) reuses it; the examples import DeepSpeed again anyway.
+        cached = env / ".matrix-probe.json"
+        key = (env / ".matrix-stamp").read_text() + json.dumps(extra, sort_keys=True)
+        kept = json.loads(cached.read_text()) if cached.is_file() else {}
+        if kept.get("key") == key:
+            row = {"env": extra, "probe": {**kept["probe"], "seconds": 0.0}}
+        else:
+            row = {"env": extra, "probe": probe(python, env, extra)}
+            cached.write_text(json.dumps({"key": key, "probe": {k: v for k, v in row["probe"].items()
+                                                                 if k != "seconds"}}))
+    log(f"{version}: import {'ok' if row['probe']['ok'] else 'failed'} ({row['probe']['seconds']} s)")
+    timings = {"built": built, "build_seconds": build_seconds, "probe_seconds": row["probe"].pop("seconds")}
+    if not row["probe"]["ok"]:
+        log(f"{version}: cannot run: {row['probe']['raised']}")
+        return {"row": row, "timings": timings}
+    row["probe"].pop("versions", None)
+    row["examples"] = {}
+    for key in commands(config):
+        if only and not any(part in key for part in only):
+            continue
+        _, _, ranks, path = key.split(" ", 3)
+        runs = [run_command(python, env, int(ranks), path, extra) for _ in range(repeat)]
+        first = compared(runs[0])
+        row["examples"][key] = {
+            **first,
+            "runs": repeat,
+            "same_every_run": all(compared(run) == first for run in runs),
+            "aborted_at_exit": sum(any(rank["aborted_at_exit"] for rank in run["ranks"]) for run in runs),
+        }
+        timings.setdefault("runs", {})[key] = [run["seconds"] for run in runs]
+        log(f"{version}: {key}: {describe_run(row['examples'][key])} "
+            f"({', '.join(str(run['seconds']) for run in runs)} s)")
+    if extra and config.get("env_check"):
+        path = config["env_check"]["example"]
+        for ranks, _ in documented_commands(path)[:1]:
+            outcome = compared(run_command(python, env, ranks, path, {}))
+            row["without_env"] = {"command": f"torchrun --nproc_per_node {ranks} {path}",
+                                  "raised": outcome["raised"], "ok": outcome["ok"]}
+    return {"row": row, "timings": timings}
+
+
+def describe_run(entry: dict) -> str:
+    text = "raised " + "; ".join(entry["raised"]) if entry["raised"] else ("ok" if entry["ok"] else "failed")
+    if entry["aborted_at_exit"]:
+        text += f"; aborted at exit in {entry['aborted_at_exit']} of {entry['runs']} runs"
+    return text
+
+
+# --- the data and what pages show -----------------------------------------------------------
+
+def load_data() -> dict:
+    if not DATA_FILE.is_file():
+        return {"releases": {}}
+    return json.loads(DATA_FILE.read_text())
+
+
+def save_data(data: dict) -> None:
+    DATA_FILE.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+def transcript(entry: dict) -> list[str]:
+    """What a reader sees from a run, rank 0 first: printed lines, then the exception of any rank."""
+    lines = []
+    for text in entry["printed"]:
+        lines += printed(text).splitlines()
+    return lines + entry["raised"]
+
+
+def differences(entry: dict, pinned: dict) -> list[tuple[str, str, str]]:
+    """(context, line on this release, line on the pinned release) for every changed line.
+
+    The context is the nearest unindented line above the change (a pattern's name in the
+    automatic-detection table, `step 0: loss ...` in ModuleZ3)."""
+    mine, theirs = transcript(entry), transcript(pinned)
+    found = []
+    matcher = difflib.SequenceMatcher(a=mine, b=theirs, autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        context = ""
+        for line in reversed(theirs[:b0]):
+            if line and not line[0].isspace():
+                context = line
+                break
+        here, there = mine[a0:a1], theirs[b0:b1]
+        for i in range(max(len(here), len(there))):
+            found.append((context, here[i].strip() if i < len(here) else "(no line)",
+                          there[i].strip() if i < len(there) else "(no line)"))
+    return found
+
+
+def summary(data: dict | None = None, config: dict | None = None) -> dict:
+    """Per example and changed line: the releases that differ from the pinned one."""
+    data = data or load_data()
+    config = config or load_releases()
+    pinned = config["pinned"]
+    pinned_row = data["releases"].get(pinned, {}).get("examples", {})
+    changes = {}  # (command, context, pinned line) -> {release: line there}
+    for version in releases(config):
+        row = data["releases"].get(version)
+        if not row or not row.get("probe", {}).get("ok"):
+            continue
+        for key, entry in row.get("examples", {}).items():
+            if key not in pinned_row:
+                continue
+            for context, here, there in differences(entry, pinned_row[key]):
+                changes.setdefault((key, context, there), {})[version] = here
+    return changes
+
+
+def ran_releases(data: dict, command: str) -> list[str]:
+    return sorted((version for version, row in data["releases"].items()
+                   if command in row.get("examples", {})), key=release_key)
+
+
+def span(versions: list[str], all_versions: list[str]) -> str:
+    """`0.14.5 to 0.16.4` for a run of consecutive releases of the list, else a comma list."""
+    if len(versions) == 1:
+        return versions[0]
+    indices = [all_versions.index(v) for v in versions]
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{versions[0]} to {versions[-1]}"
+    return ", ".join(versions)
+
+
+def changed_in(versions: list[str], ran: list[str]) -> str | None:
+    """The first release (of those run) after the last one that differs, if all differing
+    releases come before every release that matches."""
+    last = max(ran.index(v) for v in versions)
+    if last + 1 < len(ran) and all(ran.index(v) <= last for v in versions) and \
+            set(ran[:last + 1]) == set(versions):
+        return ran[last + 1]
+    return None
+
+
+def example_name(command: str) -> str:
+    return command.rsplit(" ", 1)[1]
+
+
+def upstream_for(config: dict, command: str, release: str | None) -> dict | None:
+    for item in config.get("upstream", []):
+        if item["release"] == release and item["example"] == example_name(command):
+            return item
+    return None
+
+
+def render_versions_page(data: dict, config: dict) -> str:
+    """The generated part of docs/versions.md."""
+    all_versions = releases(config)
+    pinned = config["pinned"]
+    out = []
+    out.append(f"Every release was installed with `{INSTALL_COMMAND}` beside torch {data.get('torch')} "
+               f"(Python {data.get('python')}).")
+    out.append("")
+    out.append("| Release | Runs the examples? | Needs | Exit abort seen |")
+    out.append("|---|---|---|---|")
+    for version in all_versions:
+        row = data["releases"].get(version)
+        if row is None:
+            out.append(f"| {version} | not run yet | | |")
+            continue
+        if not row["probe"]["ok"]:
+            out.append(f"| {version} | no: `{row['probe']['raised']}` at `import deepspeed` | | |")
+            continue
+        needs = ", ".join(f"`{k}={v}`" for k, v in row["env"].items())
+        if row.get("without_env"):
+            needs += " (without it: `" + "; ".join(row["without_env"]["raised"]) + "`)"
+        aborts = [f"{entry['aborted_at_exit']} of {entry['runs']} runs of `{example_name(key)}`"
+                  for key, entry in row["examples"].items() if entry["aborted_at_exit"]]
+        runs = sum(entry["runs"] for entry in row["examples"].values())
+        marker = " (pinned)" if version == pinned else ""
+        out.append(f"| {version}{marker} | yes | {needs or 'nothing'} | "
+                   f"{'; '.join(aborts) or f'no (in {runs} runs)'} |")
+    out.append("")
+    by_command = grouped(data, config)
+    if not any(groups for groups in by_command.values()):
+        out.append(f"Every release that runs prints the same as {pinned} in every example of the matrix.")
+        return "\n".join(out) + "\n"
+    out.append(f"What differs from {pinned}, example by example. An example not listed printed the same "
+               f"on every release that runs; so did every line not listed.")
+    out.append("")
+    for command, groups in by_command.items():
+        if not groups:
+            continue
+        ran = ran_releases(data, command)
+        out.append(f"`{command}`")
+        out.append("")
+        for versions, entry in groups:
+            first_same = changed_in_group(versions, ran, data, command, pinned)
+            when = f"; {when_changed(versions[-1], first_same)}" if first_same else ""
+            out.append(f"- On {span(versions, ran)}{when}:")
+            for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
+                out.append(f"    - {line}")
+            exact = first_same and when_changed(versions[-1], first_same).startswith("changed in")
+            item = upstream_for(config, command, first_same) if exact else None
+            if item:
+                out.append(f"    - Upstream: {item['change']}. {item['what']}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def grouped(data: dict, config: dict) -> dict[str, list[tuple[list[str], dict]]]:
+    """Per command: the releases whose transcript differs from the pinned one, grouped by transcript."""
+    pinned = config["pinned"]
+    result = {}
+    for command in commands(config):
+        pinned_entry = data["releases"].get(pinned, {}).get("examples", {}).get(command)
+        groups: dict[tuple, tuple[list[str], dict]] = {}
+        for version in ran_releases(data, command):
+            entry = data["releases"][version]["examples"][command]
+            key = tuple(transcript(entry))
+            if pinned_entry is None or key == tuple(transcript(pinned_entry)):
+                continue
+            groups.setdefault(key, ([], entry))[0].append(version)
+        result[command] = list(groups.values())
+    return result
+
+
+def changed_in_group(versions: list[str], ran: list[str], data: dict, command: str, pinned: str) -> str | None:
+    """The release right after a consecutive run of releases, if that one prints what the pinned one does."""
+    indices = [ran.index(v) for v in versions]
+    if indices != list(range(indices[0], indices[-1] + 1)) or indices[-1] + 1 >= len(ran):
+        return None
+    following = ran[indices[-1] + 1]
+    same = transcript(data["releases"][following]["examples"][command]) == \
+        transcript(data["releases"][pinned]["examples"][command])
+    return following if same else None
+
+
+def when_changed(last_different: str, first_same: str) -> str:
+    """`changed in 0.16.5` when the two releases are consecutive, else `changed between A and B`."""
+    a, b = release_key(last_different), release_key(first_same)
+    if a[:-1] == b[:-1] and b[-1] == a[-1] + 1:
+        return f"changed in {first_same}"
+    return f"changed between {last_different} and {first_same}"
+
+
+def describe_difference(entry: dict, pinned_entry: dict, pinned: str) -> list[str]:
+    """How a release's run differs from the pinned one's, in a few lines for the page."""
+    lines = []
+    new_raised = [r for r in entry["raised"] if r not in pinned_entry["raised"]]
+    per_rank = [(printed(a).splitlines(), printed(b).splitlines())
+                for a, b in zip(entry["printed"], pinned_entry["printed"])]
+    if new_raised and all(mine == theirs[:len(mine)] for mine, theirs in per_rank):
+        # Stopped early, with the same output up to there: say where (rank 0's view).
+        mine, theirs = per_rank[0]
+        where = f"after `{mine[-1].strip()}`" if mine else "before printing anything"
+        instead = f" ({pinned} prints `{theirs[len(mine)].strip()}` next)" if len(mine) < len(theirs) else ""
+        return [f"stops {where} with `{raised}`{instead}" for raised in new_raised]
+    for context, here, there in differences({**entry, "raised": []}, {**pinned_entry, "raised": []}):
+        label = f"{context}: " if context and context != there else ""
+        lines.append(f"{label}`{here}` ({pinned}: `{there}`)")
+    for raised in new_raised:
+        lines.append(f"raises `{raised}`")
+    for raised in pinned_entry["raised"]:
+        if raised not in entry["raised"]:
+            lines.append(f"does not raise `{raised}` ({pinned} does)")
+    if entry["ok"] != pinned_entry["ok"] and not new_raised:
+        lines.append("the command " + ("succeeds" if entry["ok"] else "fails") + f" ({pinned}: the opposite)")
+    return lines
+
+
+def render_example_note(data: dict, config: dict, path: str) -> str:
+    """A note for the page that shows `path`: the releases it ran on, and where its output differs."""
+    pinned = config["pinned"]
+    by_command = grouped(data, config)
+    lines = []
+    others = set()
+    for command, groups in by_command.items():
+        if example_name(command) != path:
+            continue
+        ran = ran_releases(data, command)
+        others.update(v for v in ran if v != pinned)
+        for versions, entry in groups:
+            first_same = changed_in_group(versions, ran, data, command, pinned)
+            when = f" ({when_changed(versions[-1], first_same)})" if first_same else ""
+            for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
+                lines.append(f"On {span(versions, ran)}{when}: {line}")
+    head = (f'!!! note "Other DeepSpeed releases"\n    This example was also run on DeepSpeed '
+            f"{', '.join(sorted(others, key=release_key)) or '(none yet)'} "
+            f"([DeepSpeed versions](../versions.md)).")
+    if not lines:
+        return head + f" Every release printed the same as {pinned}.\n"
+    return head + f" What differs from {pinned}:\n\n" + "".join(f"    - {line}\n" for line in lines)
+
+
+GENERATED_FILES = {
+    "versions.md": lambda data, config: render_versions_page(data, config),
+    "automatic_detection.md": lambda data, config: render_example_note(
+        data, config, "snippets/zero3/automatic_detection.py"),
+    "module_z3.md": lambda data, config: render_example_note(data, config, "snippets/zero3/module_z3.py"),
+}
+
+
+def render(data: dict | None = None, config: dict | None = None) -> dict[str, str]:
+    data = data or load_data()
+    config = config or load_releases()
+    return {name: make(data, config) for name, make in GENERATED_FILES.items()}
+
+
+def write_generated(data: dict | None = None) -> None:
+    GENERATED.mkdir(exist_ok=True)
+    for name, text in render(data).items():
+        (GENERATED / name).write_text(text)
+
+
+def pinned_row_now(config: dict | None = None, python: Path | None = None) -> dict:
+    """The pinned release's examples run now in the project's own environment."""
+    config = config or load_releases()
+    python = python or Path(sys.executable)
+    env = python.parent.parent
+    examples = {}
+    for key in commands(config):
+        _, _, ranks, path = key.split(" ", 3)
+        outcome = run_command(python, env, int(ranks), path, {})
+        examples[key] = compared(outcome)
+    return examples
+
+
+# --- the command ----------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tasks.py matrix", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare with versions/matrix.json instead of writing it; exit 1 on a difference")
+    parser.add_argument("--render", action="store_true", help="only regenerate snippets/versions/*.md")
+    parser.add_argument("--release", action="append", help="only this release (repeatable)")
+    parser.add_argument("--example", action="append", help="only commands containing this text (repeatable)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every documented command (default 1)")
+    parser.add_argument("--timings", type=Path, help="write build and run times (JSON) here")
+    args = parser.parse_args(argv)
+    config = load_releases()
+    if config["pinned"] != pinned_in_constraints():
+        raise SystemExit(f"versions/releases.toml pins {config['pinned']}, constraints.txt {pinned_in_constraints()}")
+    if args.render:
+        write_generated()
+        return 0
+    chosen = args.release or releases(config)
+    unknown = [v for v in chosen if v not in config["releases"]]
+    if unknown:
+        raise SystemExit(f"not in versions/releases.toml: {', '.join(unknown)}")
+    data = load_data()
+    data["torch"] = torch_pin()
+    data["python"] = sys.version.split()[0]
+    data["pinned"] = config["pinned"]
+    started = time.monotonic()
+    timings = {}
+    failures = []
+    for version in chosen:
+        log(f"--- deepspeed {version}")
+        result = run_release(version, config, args.repeat, args.example)
+        timings[version] = result["timings"]
+        new = result["row"]
+        old = data["releases"].get(version)
+        if args.check:
+            problems = compare_rows(old, new, partial=bool(args.example))
+            failures += [f"{version}: {problem}" for problem in problems]
+        else:
+            # After every release (an interrupted run keeps what it measured), re-reading the
+            # file: another matrix process may have written other releases meanwhile.
+            with locked(".data.lock"):
+                data = {**load_data(), "torch": data["torch"], "python": data["python"], "pinned": data["pinned"]}
+                old = data["releases"].get(version)
+                if args.example and old and "examples" in old and "examples" in new:
+                    new["examples"] = {**old["examples"], **new["examples"]}
+                data["releases"][version] = new
+                data["releases"] = dict(sorted(data["releases"].items(), key=lambda item: release_key(item[0])))
+                save_data(data)
+        log(f"{version}: {round(time.monotonic() - started)} s so far")
+    timings["total_seconds"] = round(time.monotonic() - started, 1)
+    log(f"matrix: {timings['total_seconds']} s for {len(chosen)} releases")
+    if args.timings:
+        args.timings.write_text(json.dumps(timings, indent=1) + "\n")
+    if args.check:
+        for failure in failures:
+            print(f"matrix: DIFFERS {failure}", file=sys.stderr)
+        return 1 if failures else 0
+    with locked(".data.lock"):
+        write_generated(load_data())
+    return 0
+
+
+def comparable(entry: dict) -> dict:
+    return {"printed": [printed(text) for text in entry["printed"]], "raised": entry["raised"],
+            "ok": entry["ok"], "timed_out": entry["timed_out"]}
+
+
+def compare_rows(old: dict | None, new: dict, partial: bool = False) -> list[str]:
+    """What differs between the committed row of a release and a fresh one (aborts at exit and
+    timings are not compared: they are recorded, and intermittent)."""
+    if old is None:
+        return ["not in versions/matrix.json"]
+    problems = []
+    if old["probe"] != new["probe"]:
+        problems.append(f"import: committed {old['probe']}, now {new['probe']}")
+    for key, entry in new.get("examples", {}).items():
+        committed = old.get("examples", {}).get(key)
+        if committed is None:
+            problems.append(f"{key}: not in versions/matrix.json")
+            continue
+        if comparable(committed) != comparable(entry):
+            diff = "\n".join(difflib.unified_diff(transcript(committed), transcript(entry), "committed", "now",
+                                                  lineterm=""))
+            problems.append(f"{key}: differs\n{diff}")
+        if entry["aborted_at_exit"]:
+            print(f"matrix: note: {key} aborted at exit in {entry['aborted_at_exit']} of {entry['runs']} runs",
+                  file=sys.stderr)
+    for key in old.get("examples", {}):
+        if key not in new.get("examples", {}) and not partial:
+            problems.append(f"{key}: in versions/matrix.json but not run")
+    return problems
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
