@@ -11,6 +11,7 @@ import tempfile
 
 import accelerate
 import torch
+import transformers
 from accelerate.state import AcceleratorState
 from deepspeed.accelerator import get_accelerator
 from transformers import T5Config, T5ForConditionalGeneration, TrainingArguments
@@ -93,6 +94,7 @@ def main():
         "zero3": args.hf_deepspeed_config.is_zero3(),
     }
     if rank == 0:
+        print(f"transformers {transformers.__version__}, accelerate {accelerate.__version__}")
         print(f"ZeRO-3 from TrainingArguments: {facts['zero3']}")
         print(f"shared.weight after from_pretrained: shape {facts['shape']}, ds_shape {facts['ds_shape']}")
         print(f"one Parameter, {len(facts['tied'])} names: {', '.join(facts['tied'])}")

@@ -29,6 +29,8 @@ CONSTRUCTOR_ERROR = (
 )
 MM_LINE = "sampled_input_embed = sampled_input.view(b * l, c).mm(model.module.shared.weight)"
 TRANSPOSE_LINE = 'sampled_input_embed = F.linear(inputs["sampled_input"], model.module.shared.weight.transpose(0, 1))'
+# Importing Transformers and starting Trainer take long on a loaded 2-core machine.
+TIMEOUT = 600
 SHARED_NAMES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
 
 
@@ -71,7 +73,7 @@ def reference():
 
 
 def test_from_pretrained_under_zero3_partitions_the_tied_shared_weight(expect_output):
-    result = run_snippet(TINY, 2, call="main").check()
+    result = run_snippet(TINY, 2, call="main", timeout=TIMEOUT).check()
     for rank in range(2):
         facts = result.returned(rank)
         assert facts["zero3"] is True
@@ -82,7 +84,7 @@ def test_from_pretrained_under_zero3_partitions_the_tied_shared_weight(expect_ou
 
 
 def test_the_readers_attempts_fail(expect_output):
-    result = run_snippet(READER, 2, call="main").check()
+    result = run_snippet(READER, 2, call="main", timeout=TIMEOUT).check()
     for rank in range(2):
         got = result.returned(rank)
         # AutoModelForSeq2SeqLM subclass: from_pretrained and from_config build the concrete
@@ -102,7 +104,7 @@ def test_the_readers_attempts_fail(expect_output):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output):
     (losses, grads), trained = reference
-    result = run_snippet(FIXES, world_size, call="main", timeout=300).check()
+    result = run_snippet(FIXES, world_size, call="main", timeout=TIMEOUT).check()
     try:
         for rank in range(world_size):
             got = result.returned(rank)
