@@ -132,3 +132,16 @@ def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output
         shutil.rmtree(result.returned(0)["saved"], ignore_errors=True)
     if world_size == 2:
         expect_output(result, output_file(FIXES))
+
+
+def test_the_pages_show_these_runs():
+    page = PAGE.read_text()
+    for snippet in (TINY, READER, FIXES):
+        assert f'--8<-- "{output_file(snippet).relative_to(ROOT)}"' in page, snippet
+    # The reader's exact message is in an output file the page includes.
+    assert f"IndexError: {READER_INDEX_ERROR}" in output_file(READER).read_text()
+    outside = OUTSIDE_PAGE.read_text()
+    assert "Not tested here" not in outside
+    assert f'--8<-- "{output_file(READER).relative_to(ROOT)}"' in outside
+    for linking in (outside, (ROOT / "docs/zero3/troubleshooting.md").read_text()):
+        assert "(transformers.md)" in linking
