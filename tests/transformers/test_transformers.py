@@ -113,8 +113,9 @@ def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output
             # no "model." prefix. Nothing is registered: the tied head needs no registration.
             unprefixed = [{name.removeprefix("model."): g for name, g in step.items()} for step in grads]
             assert_same_training(got["gathered"], (losses, unprefixed), f"gathered, rank {rank}")
-            kind, message, line = got["invalid"]
-            assert kind == "RuntimeError" and "must match the size of tensor b (0)" in message, message
+            # Differentiable inputs break the rule of GatheredParameters (autograd needs the
+            # weight after the block); in this T5 under Trainer, it raised nothing.
+            assert got["invalid"] is None, got["invalid"]
             if rank == 0:  # the rank that writes files: the wrapper's tied weights stop safetensors
                 kind, message, line = got["save_model"]
                 assert kind == "RuntimeError" and message.startswith("Some tensors share memory"), message
