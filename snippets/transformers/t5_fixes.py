@@ -3,7 +3,7 @@ wrapper module's forward, or inside GatheredParameters when the inputs need no g
 Both train like the same model in one process without DeepSpeed.
 
 Run on CPU (2 processes):
-    DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 torchrun --nproc_per_node 2 snippets/transformers/t5_fixes.py
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/t5_fixes.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import os
@@ -14,7 +14,7 @@ import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_grad
 from torch import nn
-from transformers import T5ForConditionalGeneration, Trainer, TrainerCallback
+from transformers import PrinterCallback, T5ForConditionalGeneration, Trainer, TrainerCallback
 
 from tiny_t5 import fresh_accelerate_state, save_tiny_t5, soft_inputs_dataset, training_arguments
 
@@ -88,6 +88,7 @@ class Record(TrainerCallback):
 def train(trainer_class, model, args):
     record = Record()
     trainer = trainer_class(model=model, args=args, train_dataset=soft_inputs_dataset(), callbacks=[record])
+    trainer.remove_callback(PrinterCallback)  # it prints timings; the losses are printed below
     trainer.train()
     return trainer, record.result()
 

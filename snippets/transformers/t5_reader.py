@@ -3,7 +3,7 @@ soft one-hot inputs with model.module.shared.weight, and registration tried in a
 Every attempt fails; one launch runs them all and prints each error.
 
 Run on CPU (2 processes):
-    DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 torchrun --nproc_per_node 2 snippets/transformers/t5_reader.py
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/t5_reader.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import os

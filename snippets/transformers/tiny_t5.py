@@ -3,7 +3,7 @@ under ZeRO-3, the way Trainer users load a model. Nothing is downloaded. The oth
 the page import what they share from this file.
 
 Run on CPU (2 processes):
-    DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 torchrun --nproc_per_node 2 snippets/transformers/tiny_t5.py
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/tiny_t5.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import os
