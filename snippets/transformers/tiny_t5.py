@@ -52,16 +52,14 @@ DS_CONFIG = {
 
 
 def training_arguments(world_size):
-    # --8<-- [start:cpu]
-    # CPU only (how this page's examples run here). On GPUs, leave out these lines:
-    # TrainingArguments(deepspeed=...) sets up DeepSpeed by itself.
+    # CPU only (how this page's examples ran here). On GPUs none of it is needed:
+    # TrainingArguments(deepspeed=...) sets up DeepSpeed by itself (not run here).
     if get_accelerator().device_name() == "cpu":
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         accelerate.PartialState(backend=get_accelerator().communication_backend_name())  # gloo
         cpu_only = {"accelerator_config": {"use_configured_state": True}}
     else:  # pragma: no cover - GPUs, not run here
         cpu_only = {}
-    # --8<-- [end:cpu]
     return TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="trainer-"), deepspeed=DS_CONFIG,
         per_device_train_batch_size=EXAMPLES // world_size,  # one step sees every example
