@@ -135,7 +135,7 @@ def install_locked() -> None:
     #    (which would resolve a torch of its own).
     pip_install("--no-build-isolation", "deepspeed")
     # 3. Everything else declared in pyproject.toml.
-    pip_install("--no-build-isolation", "-e", ".[test,lint,notebook]")
+    pip_install("--no-build-isolation", "-e", ".[test,lint,notebook,transformers]")
     problems = environment_problems()
     if problems:
         die("the install finished but the environment still does not match constraints.txt:\n  "

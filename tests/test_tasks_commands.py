@@ -66,7 +66,7 @@ def make_scratch_project(tmp_path: Path) -> Path:
     # and the project; every other line of tasks.py is the real one.
     text = (tmp_path / "tasks.py").read_text()
     for step in ('pip_install("torch", "setuptools")', 'pip_install("--no-build-isolation", "deepspeed")',
-                 'pip_install("--no-build-isolation", "-e", ".[test,lint,notebook]")'):
+                 'pip_install("--no-build-isolation", "-e", ".[test,lint,notebook,transformers]")'):
         assert step in text, step
         text = text.replace(step, 'pip_install("iniconfig")')
     (tmp_path / "tasks.py").write_text(text)

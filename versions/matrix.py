@@ -156,8 +156,9 @@ def ensure_base(constraints: Path) -> Path:
     costs a DeepSpeed install instead of a torch install too.
     """
     base = ENVS / f"_base-torch-{torch_pin()}"
-    stamp = fingerprint("base", torch_pin(), constraints.read_text())
-    if (base / ".matrix-stamp").is_file() and (base / ".matrix-stamp").read_text() == stamp:
+    stamp = fingerprint("base", torch_pin())
+    if ((base / ".matrix-stamp").is_file() and (base / ".matrix-stamp").read_text() == stamp
+            and pins_still_hold(base)):
         return base
     shutil.rmtree(base, ignore_errors=True)
     log(f"building the base environment {base} (torch {torch_pin()})")
@@ -189,12 +190,47 @@ def extensions_dir(env: Path) -> Path:
 
 def env_stamp(version: str, config: dict) -> str:
     packages = list(config.get("packages", []))
-    return fingerprint("release", version, torch_pin(), constraints_without_deepspeed(), *packages)
+    return fingerprint("release", version, torch_pin(), *packages)
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned_versions() -> dict[str, str]:
+    """constraints.txt as {normalized name: version}."""
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        name, sep, wanted = line.split("#")[0].strip().partition("==")
+        if sep:
+            pins[normalized(name)] = wanted.strip()
+    return pins
+
+
+def installed_versions(env: Path) -> dict[str, str]:
+    """What an environment holds, read from its *.dist-info folder names (no interpreter start)."""
+    found = {}
+    for info in site_packages(env).glob("*.dist-info"):
+        name, _, rest = info.name[: -len(".dist-info")].partition("-")
+        found[normalized(name)] = rest.split("+")[0]
+    return found
+
+
+def pins_still_hold(env: Path, skip: set[str] = frozenset()) -> bool:
+    """Every distribution in the environment that constraints.txt pins is at that pin.
+
+    Only what the environment holds counts: a pin added or changed for a package the
+    environment does not have (say, JupyterLab for the main environment) keeps it current.
+    """
+    pins = pinned_versions()
+    return all(pins[name] == have for name, have in installed_versions(env).items()
+               if name in pins and name not in skip)
 
 
 def env_is_current(version: str, config: dict) -> bool:
     stamp = env_dir(version) / ".matrix-stamp"
-    return stamp.is_file() and stamp.read_text() == env_stamp(version, config)
+    return (stamp.is_file() and stamp.read_text() == env_stamp(version, config)
+            and pins_still_hold(env_dir(version), skip={"deepspeed"}))
 
 
 def ensure_env(version: str, config: dict) -> tuple[Path, bool]:
