@@ -218,10 +218,8 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
-    ensure_environment()
-    if command == "install":
-        return 0
     if command == "serve":
+        # Before the install check: a taken port is said at once, not after minutes of work.
         address = "127.0.0.1:8000"
         for i, arg in enumerate(rest):
             if arg.startswith("--dev-addr=") or arg.startswith("-a="):
@@ -233,6 +231,10 @@ def main(argv: list[str]) -> int:
             die(f"cannot serve on http://{address}/: {taken}. Another server (an earlier "
                 f"`tasks.py serve`?) may be running there; stop it, or choose another address: "
                 f"python3 tasks.py serve --dev-addr 127.0.0.1:8001")
+    ensure_environment()
+    if command == "install":
+        return 0
+    if command == "serve":
         print(f"Serving the site on http://{address}/  (Ctrl-C stops)", flush=True)
         return run_in_venv("-m", "mkdocs", "serve", *rest)
     if command == "notebook":

@@ -22,7 +22,7 @@ import pytest
 
 from runner import ROOT
 
-SITE_SOURCES = ["mkdocs.yml", "docs", "snippets", "overrides", "hooks"]
+SITE_SOURCES = ["mkdocs.yml", "docs", "snippets", "overrides", "hooks", "versions"]
 NOTEBOOK = Path("docs") / "notebooks" / "gather-and-release.py"
 
 
