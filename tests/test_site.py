@@ -145,7 +145,11 @@ def test_the_notebook_ran_while_the_site_was_built():
     assert "Notebook notebooks/gather-and-release.py: executing (" in result.stderr
     assert "reusing the run" not in result.stderr
     # Outputs exist only because the cells ran: the run's summary, the checks, the plot.
-    assert "registered: 20 moments recorded, losses [3.7219, 4.0055]" in page
+    # The losses the notebook prints are the recording script's: read them from its output file,
+    # so `--update-outputs` after a change to the example is all this test needs.
+    losses = re.search(r"^embeddings.weight registered: losses on rank 0 (\[.*\])$",
+                       (ROOT / "snippets" / "notebooks" / "gather_timeline.out").read_text(), re.M).group(1)
+    assert re.search(rf"registered: \d+ moments recorded, losses {re.escape(losses)}", page), losses
     assert "stage3_max_reuse_distance: 1000000000 parameter elements" in page
     assert "all checks passed" in page
     assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == 1
