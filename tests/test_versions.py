@@ -83,11 +83,13 @@ def test_the_two_known_differences_are_in_the_data():
     between, where each changed, are in the list; until they have run, the page says
     "changed between 0.16.4 and 0.19.8".)"""
     changes = matrix.summary(DATA, CONFIG)
-    detection = {context: per_release for (command, context, _), per_release in changes.items()
-                 if "automatic_detection" in command}
-    rows = [per_release for context, per_release in detection.items() if "engine.module" in context]
+    rows = [per_release for (command, _, there), per_release in changes.items()
+            if "automatic_detection" in command and "`engine.module(tokens)`" in there]
     assert rows and all(set(row) == {"0.16.4"} for row in rows), rows
-    assert any("size mismatch" in line and "vec (0)" in line for row in rows for line in row.values())
+    assert all("**fails** in step 0 (d) | works |" in line for row in rows for line in row.values())
+    command = "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py"
+    printed = "".join(DATA["releases"]["0.16.4"]["examples"][command]["printed"])
+    assert "- (d) `RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)`" in printed
     z3 = [(there, per_release) for (command, _, there), per_release in changes.items() if "module_z3" in command]
     assert z3 and all(set(per_release) == {"0.16.4"} for _, per_release in z3)
     assert any("after engine.backward" in there and "NOT_AVAILABLE" in there for there, _ in z3)
