@@ -29,3 +29,25 @@ def assert_same_training(got, reference, label=""):
         assert got_step.keys() == want_step.keys(), label
         for name, want in want_step.items():
             torch.testing.assert_close(got_step[name], want, rtol=1e-5, atol=1e-6, msg=f"{label} step {step} {name}")
+
+
+def train_gpipe_in_one_process(example, model, weight):
+    """A torch.distributed.pipelining example trained in one process: SGD with its LR on its
+    batch(), each of its STEPS steps the mean of the losses of its MICRO_BATCHES micro-batches
+    (as GPipe accumulates them). Returns the step losses and `weight`'s gradient in step 0."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=example["LR"])
+    tokens, targets = example["batch"]()
+    micro_batches = example["MICRO_BATCHES"]
+    losses, first_grad = [], None
+    for _ in range(example["STEPS"]):
+        total = 0.0
+        for x, y in zip(tokens.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+            loss = example["cross_entropy"](model(x), y)
+            (loss / micro_batches).backward()
+            total += loss.item()
+        if first_grad is None:
+            first_grad = weight.grad.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / micro_batches)
+    return losses, first_grad

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from examples import output_file
+from plain_pytorch import train_gpipe_in_one_process
 from runner import ROOT, run_snippet
 
 TORCH = "snippets/pipeline/torch_three_way.py"
@@ -17,20 +18,7 @@ def torch_reference():
     ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
     torch.manual_seed(ex["SEED"])
     model = ex["EncoderDecoder"]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
-    tokens, targets = ex["batch"]()
-    losses, first_grad = [], None
-    for _ in range(ex["STEPS"]):
-        total = 0.0
-        for x, y in zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"])):
-            loss = ex["cross_entropy"](model(x), y)
-            (loss / ex["MICRO_BATCHES"]).backward()
-            total += loss.item()
-        if first_grad is None:
-            first_grad = model.encoder_embed.weight.grad.clone()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total / ex["MICRO_BATCHES"])
+    losses, first_grad = train_gpipe_in_one_process(ex, model, model.encoder_embed.weight)
     return losses, first_grad, model
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from examples import output_file
+from plain_pytorch import train_gpipe_in_one_process
 from runner import ROOT, run_snippet
 
 SNIPPET = "snippets/pipeline/torch_tied.py"
@@ -22,20 +23,7 @@ def train_in_one_process():
     ex = load()
     torch.manual_seed(ex["SEED"])
     model = ex["TiedLanguageModel"]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
-    tokens, targets = ex["batch"]()
-    losses, first_grad = [], None
-    for _ in range(ex["STEPS"]):
-        total = 0.0
-        for x, y in zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"])):
-            loss = ex["cross_entropy"](model(x), y)
-            (loss / ex["MICRO_BATCHES"]).backward()
-            total += loss.item()
-        if first_grad is None:
-            first_grad = model.embed.weight.grad.clone()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total / ex["MICRO_BATCHES"])
+    losses, first_grad = train_gpipe_in_one_process(ex, model, model.embed.weight)
     return losses, first_grad, model.embed.weight.detach().clone()
 
 
