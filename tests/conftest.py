@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from examples import includes
 from runner import ROOT, RunResult, close_zygotes
 
 pytest_plugins = ["coverage_gate"]
@@ -113,8 +114,8 @@ def pytest_report_header(config):
 
 def pages_including(output_file: Path) -> list[str]:
     """The pages (docs/…) that include `output_file` with --8<--."""
-    target = f'"{output_file.relative_to(ROOT)}"'
-    return sorted(str(page.relative_to(ROOT)) for page in (ROOT / "docs").rglob("*.md") if target in page.read_text())
+    shown = str(output_file.relative_to(ROOT))
+    return sorted({str(page) for page, path, _ in includes() if path == shown})
 
 
 def output_mismatch(name: str, output_file: Path, expected: str, actual: str) -> str:

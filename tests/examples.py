@@ -14,6 +14,19 @@ DOCS = ROOT / "docs"
 TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
 
 
+INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')
+
+
+def includes():
+    """(page, file, section or None) for every snippet include in docs/."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for target in INCLUDE.findall(page.read_text()):
+            path, _, section = target.partition(":")
+            found.append((page.relative_to(ROOT), path, section or None))
+    return found
+
+
 def all_snippets() -> list[Path]:
     """Every example file under snippets/, as paths relative to the repository root."""
     return sorted(path.relative_to(ROOT) for path in SNIPPETS.rglob("*.py"))

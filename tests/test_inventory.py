@@ -10,20 +10,9 @@ import re
 
 import pytest
 
-from examples import DOCS, TORCHRUN, all_snippets, documented_world_size, output_file
+from examples import DOCS, TORCHRUN, all_snippets, documented_world_size, includes, output_file
 from runner import ROOT, SNIPPETS
 
-INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')
-
-
-def includes():
-    """(page, file, section or None) for every snippet include in docs/."""
-    found = []
-    for page in sorted(DOCS.rglob("*.md")):
-        for target in INCLUDE.findall(page.read_text()):
-            path, _, section = target.partition(":")
-            found.append((page.relative_to(ROOT), path, section or None))
-    return found
 
 
 def test_pages_include_snippets():
