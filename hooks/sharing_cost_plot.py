@@ -3,9 +3,14 @@
 The data is snippets/zero3/sharing_cost.tsv, written from a real 2-rank run by
 `pytest tests/zero3/test_sharing_cost.py --update-outputs` and compared with every run of
 that test. The build draws it into zero3/sharing-cost.svg without running DeepSpeed.
+
+Drawing takes about 3 s (importing matplotlib and rendering), most of a no-change build, so the
+image is kept in .cache/sharing-cost/ under a checksum of the data, this file and the
+matplotlib release: it is drawn again only when one of them changes.
 """
 
 import csv
+import hashlib
 import io
 from pathlib import Path
 
@@ -73,7 +78,27 @@ def draw(timeline, image_format="svg"):
     return image.getvalue()
 
 
+def cached_image(root):
+    """The SVG for the data under `root`, from .cache/sharing-cost/ when it is there."""
+    from importlib.metadata import version
+
+    key = hashlib.sha256()
+    for part in ((root / DATA).read_bytes(), Path(__file__).read_bytes(), version("matplotlib").encode()):
+        key.update(hashlib.sha256(part).digest())
+    cached = root / ".cache" / "sharing-cost" / f"{key.hexdigest()}.svg"
+    if cached.exists():
+        return cached.read_text()
+    image = draw(read(root / DATA))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    for stale in cached.parent.glob("*.svg"):
+        stale.unlink()
+    partial = cached.with_suffix(".partial")
+    partial.write_text(image)
+    partial.replace(cached)
+    return image
+
+
 def on_files(files, config):
     root = Path(config.config_file_path).parent
-    files.append(File.generated(config, IMAGE, content=draw(read(root / DATA))))
+    files.append(File.generated(config, IMAGE, content=cached_image(root)))
     return files

@@ -168,3 +168,22 @@ def test_the_plot_is_drawn_from_the_data_file():
     for _, title in hook.PANELS:
         assert title in svg
     assert "sharing-cost.svg" in (ROOT / "docs/zero3/sharing-cost.md").read_text()
+
+
+def test_the_plot_is_drawn_again_only_when_its_data_changes(tmp_path, monkeypatch):
+    """The build keeps the drawn SVG in .cache/sharing-cost/ under a checksum of the data: a
+    second build reuses it without drawing, edited data is drawn anew and the old entry goes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sharing_cost_plot", ROOT / "hooks/sharing_cost_plot.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    (tmp_path / hook.DATA).parent.mkdir(parents=True)
+    (tmp_path / hook.DATA).write_text((ROOT / hook.DATA).read_text())
+    drawn = []
+    monkeypatch.setattr(hook, "draw", lambda timeline: drawn.append(timeline) or f"<svg>{len(drawn)}</svg>")
+    assert hook.cached_image(tmp_path) == "<svg>1</svg>"
+    assert hook.cached_image(tmp_path) == "<svg>1</svg>" and len(drawn) == 1
+    (tmp_path / hook.DATA).write_text((ROOT / hook.DATA).read_text().replace("\t0\t", "\t1\t", 1))
+    assert hook.cached_image(tmp_path) == "<svg>2</svg>"
+    assert [p.read_text() for p in (tmp_path / ".cache/sharing-cost").iterdir()] == ["<svg>2</svg>"]
