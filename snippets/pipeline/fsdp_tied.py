@@ -3,7 +3,10 @@
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/fsdp_tied.py
 (DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+Run and tested here on CPU only; not run on GPUs.
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -11,6 +14,15 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 VOCAB, DIM, SEQ, BATCH, SEED, LR, STEPS = 16, 8, 6, 8, 0, 0.5, 3
+
+
+def this_ranks_device():
+    """Where this rank computes: the CPU here (then gloo). With an accelerator, e.g. GPUs (not
+    run here), the one torchrun's LOCAL_RANK names (then its backend, e.g. NCCL)."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 class TiedLanguageModel(nn.Module):
@@ -32,9 +44,9 @@ def batch():
 
 
 # --8<-- [start:train]
-def train(tie_in_one_group):
+def train(tie_in_one_group, device):
     torch.manual_seed(SEED)
-    model = TiedLanguageModel()
+    model = TiedLanguageModel().to(device)
     if tie_in_one_group:
         fully_shard([model.embed, model.head])  # both owners of the tied weight: one group
     else:
@@ -44,7 +56,7 @@ def train(tie_in_one_group):
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tokens, targets = batch()
+    tokens, targets = (t.to(device) for t in batch())
     mine = slice(rank, None, world)  # data parallel: each rank trains on its share of the batch
     losses = []
     for step in range(STEPS):
@@ -61,17 +73,19 @@ def train(tie_in_one_group):
 
 
 def main():
-    dist.init_process_group("gloo")
-    train(tie_in_one_group=True)
-    train(tie_in_one_group=False)  # raises ValueError
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
+    train(tie_in_one_group=True, device=device)
+    train(tie_in_one_group=False, device=device)  # raises ValueError
     dist.destroy_process_group()  # never reached: the line above raises
 # --8<-- [end:train]
 
 
 def tie_in_one_group():
     """What the tests compare with one process: the working variant alone."""
-    dist.init_process_group("gloo")
-    result = train(tie_in_one_group=True)
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
+    result = train(tie_in_one_group=True, device=device)
     dist.destroy_process_group()
     return result
 

@@ -4,7 +4,10 @@ torch.distributed.pipelining stages, the tie kept by hand over the three stages.
 Run on CPU (3 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 3 snippets/pipeline/torch_three_way.py
 (DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+Run and tested here on CPU only; not run on GPUs.
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,6 +16,15 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 VOCAB, DIM, SEQ, SEED, LR = 16, 8, 6, 0, 0.5
 MICRO_BATCH, MICRO_BATCHES, STEPS = 4, 2, 3
+
+
+def this_ranks_device():
+    """Where this rank computes: the CPU here (then gloo). With an accelerator, e.g. GPUs (not
+    run here), the one torchrun's LOCAL_RANK names (then its backend, e.g. NCCL)."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 # --8<-- [start:model]
@@ -51,16 +63,17 @@ def batch():
 
 def main():
     # --8<-- [start:train]
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     rank = dist.get_rank()
     torch.manual_seed(SEED)
-    tokens, targets = batch()
-    pipe = pipeline(EncoderDecoder(), mb_args=(tokens[:MICRO_BATCH],),
+    tokens, targets = (t.to(device) for t in batch())
+    pipe = pipeline(EncoderDecoder().to(device), mb_args=(tokens[:MICRO_BATCH],),
                     split_spec={"decoder_embed": SplitPoint.BEGINNING, "head": SplitPoint.BEGINNING})
     (uses,) = pipe.replicated_params  # one entry per stage: {"submod_pp_0": ..., ..._1, ..._2}
     holders = sorted(int(submodule.rsplit("_", 1)[1]) for submodule in uses)
     module = pipe.get_stage_module(rank)
-    schedule = ScheduleGPipe(pipe.build_stage(rank, torch.device("cpu")),
+    schedule = ScheduleGPipe(pipe.build_stage(rank, device),
                              n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     tie_group = dist.new_group(holders)  # all three stages
@@ -81,7 +94,7 @@ def main():
         # The tied gradient is the sum of three shares: one all_reduce over the three holders.
         dist.all_reduce(tied.grad, op=dist.ReduceOp.SUM, group=tie_group)
         optimizer.step()
-        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros(())
+        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=pipe.num_stages - 1)
         losses.append(loss.item())
         if rank == 0:

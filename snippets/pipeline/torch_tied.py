@@ -3,8 +3,10 @@
 Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/torch_tied.py
 (DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+Run and tested here on CPU only; not run on GPUs.
 """
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,15 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 VOCAB, DIM, SEQ, SEED, LR = 16, 8, 6, 0, 0.5
 MICRO_BATCH, MICRO_BATCHES, STEPS = 4, 2, 4
+
+
+def this_ranks_device():
+    """Where this rank computes: the CPU here (then gloo). With an accelerator, e.g. GPUs (not
+    run here), the one torchrun's LOCAL_RANK names (then its backend, e.g. NCCL)."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 # --8<-- [start:model]
@@ -61,13 +72,14 @@ def split(model, tokens):
 
 def main():
     # --8<-- [start:train]
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     rank = dist.get_rank()
     torch.manual_seed(SEED)
-    tokens, targets = batch()
-    pipe, uses, holders = split(TiedLanguageModel(), tokens)
+    tokens, targets = (t.to(device) for t in batch())
+    pipe, uses, holders = split(TiedLanguageModel().to(device), tokens)
     module = pipe.get_stage_module(rank)
-    stage = pipe.build_stage(rank, torch.device("cpu"))
+    stage = pipe.build_stage(rank, device)
     schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
 
@@ -90,7 +102,7 @@ def main():
             # ...and one gradient for both copies: the sum of the stages' shares.
             dist.all_reduce(tied.grad, op=dist.ReduceOp.SUM, group=tie_group)
         optimizer.step()
-        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros(())
+        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=pipe.num_stages - 1)  # the last stage has the loss
         losses.append(loss.item())
         if rank == 0:

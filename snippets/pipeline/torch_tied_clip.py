@@ -4,7 +4,10 @@ each stage on its own, and clipping by the whole model's norm with the tie count
 Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/torch_tied_clip.py
 (DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+Run and tested here on CPU only; not run on GPUs.
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -14,6 +17,15 @@ from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_nor
 
 VOCAB, DIM, SEQ, SEED, LR, CLIP = 16, 8, 6, 0, 0.5, 0.1
 MICRO_BATCH, MICRO_BATCHES, STEPS = 4, 2, 3
+
+
+def this_ranks_device():
+    """Where this rank computes: the CPU here (then gloo). With an accelerator, e.g. GPUs (not
+    run here), the one torchrun's LOCAL_RANK names (then its backend, e.g. NCCL)."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 class TiedLanguageModel(nn.Module):
@@ -59,14 +71,14 @@ def clip_each_stage(parameters):
 # --8<-- [end:clip]
 
 
-def train(whole_model):
+def train(whole_model, device):
     rank = dist.get_rank()
     torch.manual_seed(SEED)
-    tokens, targets = batch()
-    pipe = pipeline(TiedLanguageModel(), mb_args=(tokens[:MICRO_BATCH],),
+    tokens, targets = (t.to(device) for t in batch())
+    pipe = pipeline(TiedLanguageModel().to(device), mb_args=(tokens[:MICRO_BATCH],),
                     split_spec={"mixer2": SplitPoint.BEGINNING})
     module = pipe.get_stage_module(rank)
-    schedule = ScheduleGPipe(pipe.build_stage(rank, torch.device("cpu")), n_microbatches=MICRO_BATCHES,
+    schedule = ScheduleGPipe(pipe.build_stage(rank, device), n_microbatches=MICRO_BATCHES,
                              loss_fn=cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     tied = module.get_parameter(pipe.replicated_params[0][f"submod_pp_{rank}"])
@@ -87,10 +99,10 @@ def train(whole_model):
             norm = clip_each_stage(parameters)
         optimizer.step()
         # --8<-- [end:step]
-        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros(())
+        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=1)
         losses.append(loss.item())
-        stage_norms = [torch.zeros(()) for _ in range(2)]
+        stage_norms = [torch.zeros((), device=device) for _ in range(2)]
         dist.all_gather(stage_norms, norm.detach().reshape(()))
         norms.append([n.item() for n in stage_norms])
     copies = [torch.empty_like(tied) for _ in range(2)]
@@ -101,10 +113,11 @@ def train(whole_model):
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     results = {}
     for whole_model in (True, False):
-        result = results["whole model" if whole_model else "each stage"] = train(whole_model)
+        result = results["whole model" if whole_model else "each stage"] = train(whole_model, device)
         if dist.get_rank() == 0:
             print("clip by the whole model's norm" if whole_model else "clip_grad_norm_ on each stage")
             for step, (loss, (norm0, norm1)) in enumerate(zip(result["losses"], result["norms"])):

@@ -4,7 +4,10 @@ torch.distributed.pipelining: the tie and the data parallelism kept by hand.
 Run on CPU (4 processes: 2 stages, each replicated twice):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 snippets/pipeline/torch_tied_dp.py
 (DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+Run and tested here on CPU only; not run on GPUs.
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,6 +16,15 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 VOCAB, DIM, SEQ, SEED, LR = 16, 8, 6, 0, 0.5
 MICRO_BATCH, MICRO_BATCHES, STEPS, STAGES, REPLICAS = 4, 2, 3, 2, 2
+
+
+def this_ranks_device():
+    """Where this rank computes: the CPU here (then gloo). With an accelerator, e.g. GPUs (not
+    run here), the one torchrun's LOCAL_RANK names (then its backend, e.g. NCCL)."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 class TiedLanguageModel(nn.Module):
@@ -56,15 +68,16 @@ def process_groups(rank):
 
 def main():
     # --8<-- [start:train]
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     rank = dist.get_rank()
     stage_index, replica, tie_group, dp_group = process_groups(rank)
     torch.manual_seed(SEED)
-    tokens, targets = batch(replica)
-    pipe = pipeline(TiedLanguageModel(), mb_args=(tokens[:MICRO_BATCH],),
+    tokens, targets = (t.to(device) for t in batch(replica))
+    pipe = pipeline(TiedLanguageModel().to(device), mb_args=(tokens[:MICRO_BATCH],),
                     split_spec={"mixer2": SplitPoint.BEGINNING})
     module = pipe.get_stage_module(stage_index)
-    stage = pipe.build_stage(stage_index, torch.device("cpu"), group=tie_group)
+    stage = pipe.build_stage(stage_index, device, group=tie_group)
     schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     (uses,) = pipe.replicated_params
@@ -91,7 +104,7 @@ def main():
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=dp_group)
                 p.grad /= REPLICAS
         optimizer.step()
-        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros(())
+        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros((), device=device)
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # only the last stage's ranks add a loss
         losses.append(loss.item() / REPLICAS)
         copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]

@@ -4,7 +4,10 @@ on rank 0, so the tied embedding and head are one tensor there. No copy, no all_
 Run on CPU (2 processes, 2 stages each):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/torch_tied_v.py
 (DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+Run and tested here on CPU only; not run on GPUs.
 """
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,6 +16,15 @@ from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
 VOCAB, DIM, SEQ, SEED, LR = 16, 8, 6, 0, 0.5
 MICRO_BATCH, MICRO_BATCHES, STEPS, STAGES = 4, 4, 3, 4
+
+
+def this_ranks_device():
+    """Where this rank computes: the CPU here (then gloo). With an accelerator, e.g. GPUs (not
+    run here), the one torchrun's LOCAL_RANK names (then its backend, e.g. NCCL)."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 # --8<-- [start:model]
@@ -69,12 +81,13 @@ def tensor_bytes(tensors):
 
 def main():
     # --8<-- [start:train]
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     rank, world = dist.get_rank(), dist.get_world_size()
-    layers = build_model()  # every rank builds all of it, seeded, and keeps its stages
+    layers = [layer.to(device) for layer in build_model()]  # every rank builds all of it, seeded, and keeps its stages
     # The V: rank r runs stage r and stage STAGES - 1 - r. Rank 0: stages 0 and 3.
     mine = [rank, STAGES - 1 - rank]
-    stages = [PipelineStage(layers[i], i, STAGES, torch.device("cpu")) for i in mine]
+    stages = [PipelineStage(layers[i], i, STAGES, device) for i in mine]
     # scale_grads=False: the schedule would divide each stage's gradients by MICRO_BATCHES, and
     # rank 0's two stages share the embedding, so its gradient would be divided twice.
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy,
@@ -82,7 +95,7 @@ def main():
     parameters = list({id(p): p for i in mine for p in layers[i].parameters()}.values())  # once each
     optimizer = torch.optim.SGD(parameters, lr=LR)
 
-    tokens, targets = batch()
+    tokens, targets = (t.to(device) for t in batch())
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -91,7 +104,7 @@ def main():
         for p in parameters:  # the mean over micro-batches, once per tensor
             p.grad /= MICRO_BATCHES
         optimizer.step()  # no all_reduce: the embedding's gradient is already whole on rank 0
-        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros(())
+        loss = torch.stack(step_losses).mean() if step_losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=0)  # the last stage, and so the loss, is on rank 0
         losses.append(loss.item())
         if rank == 0:
@@ -100,7 +113,7 @@ def main():
     # --8<-- [start:check]
     first, last = layers[mine[0]], layers[mine[1]]
     one_tensor = rank == 0 and first.embedding.weight is last.embedding.weight
-    held = torch.tensor([tensor_bytes(p for p in parameters), len(parameters)])
+    held = torch.tensor([tensor_bytes(p for p in parameters), len(parameters)], device=device)
     everyone = [torch.zeros_like(held) for _ in range(world)]
     dist.all_gather(everyone, held)
     if rank == 0:
