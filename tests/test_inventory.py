@@ -102,3 +102,42 @@ def test_an_output_mismatch_names_the_pages_shows_the_whole_diff_and_how_to_upda
                              "snippets/zero3/language_model.out, which is shown on docs/zero3/external-parameters.md")
     assert "-line 3\n+line three\n" in report and "-line 37\n+line thirty-seven\n" in report  # not truncated
     assert report.rstrip().endswith("python3 tasks.py test --update-outputs && git diff snippets/")
+
+
+def hard_coded_devices(source: str) -> list[str]:
+    """What in `source` fixes the CPU instead of asking where the rank runs: a backend name as a
+    string literal ("gloo", "nccl"), or torch.device("cpu") outside the function that asks
+    (this_ranks_device, whose CPU branch is what ran here)."""
+    import ast
+
+    found = []
+
+    def visit(node, function=None):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Constant) and node.value in ("gloo", "nccl"):
+            found.append(f"line {node.lineno}: backend {node.value!r} written out")
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.device"
+                and [ast.unparse(a) for a in node.args] == ["'cpu'"] and function != "this_ranks_device"):
+            found.append(f"line {node.lineno}: torch.device('cpu') written out")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(source))
+    return found
+
+
+@pytest.mark.parametrize("snippet", all_snippets(), ids=str)
+def test_no_snippet_fixes_the_cpu(snippet):
+    """The snippets run here on CPU only, but they do not hard-code it: the backend comes from
+    the device (DeepSpeed's get_accelerator(), or torch's for the examples without DeepSpeed),
+    so the GPU claim on the pages is no more than 'not run there'."""
+    assert hard_coded_devices((ROOT / snippet).read_text()) == []
+
+
+def test_the_device_check_finds_what_it_looks_for():
+    source = ('import torch\nimport torch.distributed as dist\n'
+              'def this_ranks_device():\n    return torch.device("cpu")\n'
+              'def main():\n    dist.init_process_group("gloo")\n    x = torch.zeros(1, device=torch.device("cpu"))\n')
+    assert hard_coded_devices(source) == ["line 6: backend 'gloo' written out",
+                                          "line 7: torch.device('cpu') written out"]

@@ -7,6 +7,7 @@ Run and tested here on CPU only; not run on GPUs.
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -19,7 +20,7 @@ def logits_from_embedding(embedding, hidden):  # never reached: initialize raise
 
 def main():
     # --8<-- [start:main]
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     model = PipelineModule(
         [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
          LayerSpec(nn.Linear, DIM, DIM),

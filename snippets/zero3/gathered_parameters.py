@@ -12,6 +12,7 @@ import warnings
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 VOCAB, DIM, SEQ, BATCH, SEED, LR = 16, 8, 5, 2, 0, 0.1
@@ -72,7 +73,7 @@ def make_batch():
 
 
 def main():
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank = torch.distributed.get_rank()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH,
@@ -108,7 +109,7 @@ def main():
     # One training step: the run must equal plain PyTorch with the scaled weight.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    tokens, targets = make_batch()
+    tokens, targets = (t.to(engine.device) for t in make_batch())
     loss = F.cross_entropy(engine(tokens).reshape(-1, VOCAB), targets.reshape(-1))
     engine.backward(loss)
     grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}

@@ -8,6 +8,7 @@ Run and tested here on CPU only; not run on GPUs.
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 VOCAB, DIM, SEQ, BATCH, SEED, LR = 16, 8, 5, 8, 0, 0.1
@@ -39,7 +40,7 @@ def compute_loss(engine, sampled_input, targets):
 
 
 def main():
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
@@ -55,6 +56,7 @@ def main():
     generator = torch.Generator().manual_seed(SEED)
     sampled_input = torch.softmax(torch.randn(BATCH // world, SEQ, VOCAB, generator=generator), dim=-1)
     targets = torch.randint(0, VOCAB, (BATCH // world, SEQ), generator=generator)
+    sampled_input, targets = sampled_input.to(engine.device), targets.to(engine.device)
     loss = compute_loss(engine, sampled_input, targets)  # raises
     engine.backward(loss)  # never reached: compute_loss raises
     torch.distributed.destroy_process_group()  # never reached

@@ -8,6 +8,7 @@ Run and tested here on CPU only; not run on GPUs.
 import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 VOCAB, DIM, SEQ, BATCH, STEPS, SEED, LR = 16, 8, 5, 8, 3, 0, 0.1
@@ -52,7 +53,7 @@ def make_batch(step):
 
 
 def main():
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
@@ -70,7 +71,7 @@ def main():
 
     losses, grads = [], []
     for step in range(STEPS):
-        sampled_input, targets = make_batch(step)
+        sampled_input, targets = (t.to(engine.device) for t in make_batch(step))
         share = BATCH // world  # each rank trains on its own slice of the batch
         mine = slice(rank * share, (rank + 1) * share)
         logits = engine(sampled_input[mine])
