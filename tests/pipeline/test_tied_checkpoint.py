@@ -1,0 +1,83 @@
+"""Checkpoints of a tied DeepSpeed pipeline model (snippets/pipeline/deepspeed_tied_checkpoint.py),
+on 2 ranks: the tied weight is saved once; a fresh engine with the same split resumes exactly
+as the uninterrupted run (both equal to one process with Adam); another split loads the
+weights but refuses the optimizer state, and without it training is that of a fresh Adam."""
+
+import runpy
+
+import pytest
+import torch
+
+from examples import output_file
+from runner import ROOT, run_snippet
+
+SNIPPET = "snippets/pipeline/deepspeed_tied_checkpoint.py"
+
+
+def train_in_one_process(fresh_optimizer_after=None):
+    """The snippet's model in one process: one embedding as input layer and head, layer i built
+    after torch.manual_seed(SEED + i) as seed_layers=True does, Adam with the snippet's LR,
+    each step the mean over its micro-batches. With `fresh_optimizer_after=n`, Adam starts
+    anew after n steps (what loading without the optimizer state does)."""
+    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    torch.manual_seed(ex["SEED"] + 0)
+    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
+    torch.manual_seed(ex["SEED"] + 1)
+    mixer1 = ex["Mixer"]()
+    torch.manual_seed(ex["SEED"] + 2)
+    mixer2 = ex["Mixer"]()
+    params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
+    optimizer = torch.optim.Adam(params, lr=ex["LR"])
+    losses = []
+    for step in range(ex["STEPS"]):
+        if step == fresh_optimizer_after:
+            optimizer = torch.optim.Adam(params, lr=ex["LR"])
+        total = 0.0
+        for tokens, targets in ex["micro_batches"](step):
+            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
+            loss = ex["cross_entropy"](logits, targets)
+            (loss / ex["MICRO_BATCHES"]).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / ex["MICRO_BATCHES"])
+    return losses, embedding.weight.detach().clone()
+
+
+def test_checkpoint_save_load_and_resplit(expect_output):
+    result = run_snippet(SNIPPET, 2, call="main", timeout=300).check()
+    ref_losses, ref_weight = train_in_one_process()
+    fresh_adam_losses, _ = train_in_one_process(fresh_optimizer_after=2)
+    for rank in range(2):
+        got = result.returned(rank)
+        # Uninterrupted, the pipeline trains as one process does.
+        assert got["uninterrupted"] == pytest.approx(ref_losses, abs=1e-6)
+        # Saved after 2 steps and loaded with the same split: exactly the uninterrupted run.
+        assert got["resumed"] == got["uninterrupted"]
+        torch.testing.assert_close(got["weight"], ref_weight, rtol=1e-5, atol=1e-6)
+        # Another split: the weights load (per-layer files), the optimizer state does not...
+        assert got["parts"] == [[0, 2, 4], [0, 3, 4]]
+        assert got["refused"] == ("ValueError: loaded state dict contains a parameter group that "
+                                  "doesn't match the size of optimizer's group")
+        # ...and without it the run is the one-process run whose Adam restarts after step 2.
+        assert got["resplit"] == pytest.approx(fresh_adam_losses, abs=1e-6)
+        assert got["resplit"][:3] == got["uninterrupted"][:3]
+        assert abs(got["resplit"][3] - got["uninterrupted"][3]) > 0.1
+        assert got["copies_equal"] == {"same split": True, "other split": True}
+        # The tied weight is saved once (layer 0's file); the head (layer 3) has no file.
+        assert got["contents"] == {
+            "layer_00-model_states.pt": ["weight"],
+            "layer_01-model_states.pt": ["linear.bias", "linear.weight"],
+            "layer_02-model_states.pt": ["linear.bias", "linear.weight"],
+            "mp_rank_00_model_states.pt": "optimizer state of 3 tensors",
+            "mp_rank_01_model_states.pt": "optimizer state of 3 tensors",
+        }
+        # Each stage's state_dict has the tied weight; each stage holds a full copy of it and
+        # its Adam state: 16 x 8 fp32 = 512 bytes, twice that for the two moments. Besides it,
+        # one Mixer per stage (8 x 8 + 8 fp32).
+        (keys0, bytes0), (keys1, bytes1) = got["stages"]
+        assert keys0 == ["1.linear.bias", "1.linear.weight", "tied_modules.embed.weight"]
+        assert keys1 == ["2.linear.bias", "2.linear.weight", "tied_modules.embed.weight"]
+        assert bytes0 == bytes1 == {"parameters": 512 + (8 * 8 + 8) * 4, "tied weight": 512,
+                                    "tied Adam state": 1024}
+    expect_output(result, output_file(SNIPPET))
