@@ -172,6 +172,9 @@ WARM_IMPORTS = [
     "torch", "deepspeed", "deepspeed.pipe", "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.zero.muon.muon_optimizer", "torch._dynamo", "torch._inductor.compile_fx",
     "torch.distributed.pipelining", "torch.distributed.fsdp",
+    # The Transformers page's examples: importing Trainer and T5 takes 10-20 s per process,
+    # once here instead of in every rank of every run.
+    "accelerate", "transformers.trainer", "transformers.models.t5.modeling_t5",
 ]
 
 

@@ -52,10 +52,17 @@ class GatheredTrainer(Trainer):
 # --8<-- [start:invalid]
 class DifferentiableInputsTrainer(GatheredTrainer):
     """The reader's inputs are differentiable samples: their gradient needs the weight's values
-    after the with block. Against the rule; here it raised nothing (its gradients are not checked)."""
+    after the with block. Against the rule."""
+
+    samples = []  # each step's inputs and labels, to read the inputs' gradients after training
+    weight_in_backward = []  # the weight's state when backward reached the product
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         sampled_input = inputs["sampled_input"].clone().requires_grad_()
+        weight = model.module.shared.weight
+        sampled_input.register_hook(lambda grad: self.weight_in_backward.append(
+            (weight.ds_status.name, tuple(weight.shape))))
+        self.samples.append((sampled_input, inputs["labels"]))
         return super().compute_loss(model, {**inputs, "sampled_input": sampled_input})
 # --8<-- [end:invalid]
 
@@ -141,9 +148,14 @@ def main():
     fresh_accelerate_state()
     args = training_arguments(world_size)
     model = T5ForConditionalGeneration.from_pretrained(directory)
-    results["invalid"] = error_of(lambda: train(DifferentiableInputsTrainer, model, args))
+    DifferentiableInputsTrainer.samples, DifferentiableInputsTrainer.weight_in_backward = [], []
+    results["invalid"] = error_of(lambda: results.update(differentiable=train(DifferentiableInputsTrainer, model, args)[1]))
     say("GatheredParameters, differentiable inputs:", "raised nothing" if results["invalid"] is None
         else "{}: {}".format(*results["invalid"]))
+    results["input_grads"] = [(x.detach().clone(), labels.clone(), None if x.grad is None else x.grad.clone())
+                              for x, labels in DifferentiableInputsTrainer.samples]
+    results["weight_in_backward"] = DifferentiableInputsTrainer.weight_in_backward
+    say("  the weight when backward reached the product, by step:", DifferentiableInputsTrainer.weight_in_backward)
     fresh_accelerate_state()
     return results
 

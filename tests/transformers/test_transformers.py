@@ -5,6 +5,7 @@ Each snippet runs all its cases in one launch (Transformers is slow to import); 
 reference is trained once for the module.
 """
 
+import copy
 import runpy
 import shutil
 import sys
@@ -61,15 +62,32 @@ def reference():
     examples = tiny["soft_inputs_dataset"]()
     batch = {key: torch.stack([example[key] for example in examples]) for key in examples[0]}
     optimizer = torch.optim.SGD(model.parameters(), lr=tiny["LR"])
-    losses, grads = [], []
+    losses, grads, weights = [], [], []
     for _ in range(tiny["STEPS"]):
+        weights.append({name: t.clone() for name, t in model.model.state_dict().items()})
         loss = model(**batch).loss
         loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return (losses, grads), model.model.state_dict()
+    trained = {name: t.clone() for name, t in model.model.state_dict().items()}
+    return (losses, grads), trained, Inputs(copy.deepcopy(model), weights)
+
+
+class Inputs:
+    """The gradient plain PyTorch gives soft inputs: the wrapper's product and T5's loss on a
+    rank's share of the batch, with the weights the one-process run had at that step."""
+
+    def __init__(self, model, weights):
+        self.model, self.weights = model, weights
+
+    def gradient(self, step, sampled_input, labels):
+        self.model.model.load_state_dict(self.weights[step])
+        sampled_input = sampled_input.clone().requires_grad_()
+        self.model(sampled_input=sampled_input, labels=labels).loss.backward()
+        self.model.zero_grad()
+        return sampled_input.grad
 
 
 def test_from_pretrained_under_zero3_partitions_the_tied_shared_weight(expect_output):
@@ -103,7 +121,7 @@ def test_the_readers_attempts_fail(expect_output):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output):
-    (losses, grads), trained = reference
+    (losses, grads), trained, inputs = reference
     result = run_snippet(FIXES, world_size, call="main", timeout=TIMEOUT).check()
     try:
         for rank in range(world_size):
@@ -114,8 +132,17 @@ def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output
             unprefixed = [{name.removeprefix("model."): g for name, g in step.items()} for step in grads]
             assert_same_training(got["gathered"], (losses, unprefixed), f"gathered, rank {rank}")
             # Differentiable inputs break the rule of GatheredParameters (autograd needs the
-            # weight after the block); in this T5 under Trainer, it raised nothing.
+            # weight after the block). In this T5 under Trainer it raised nothing, and trained
+            # as plain PyTorch: when backward reached the product the weight was gathered again
+            # (AVAILABLE, full shape), so even the inputs' gradients are plain PyTorch's.
             assert got["invalid"] is None, got["invalid"]
+            assert_same_training(got["differentiable"], (losses, unprefixed), f"differentiable, rank {rank}")
+            assert got["weight_in_backward"] == [("AVAILABLE", (32, 16))] * len(losses)
+            assert len(got["input_grads"]) == len(losses)
+            for step, (sampled_input, labels, gradient) in enumerate(got["input_grads"]):
+                assert sampled_input.shape[0] == 8 // world_size  # this rank's share of the batch
+                torch.testing.assert_close(gradient, inputs.gradient(step, sampled_input, labels),
+                                           rtol=1e-5, atol=1e-6, msg=f"input gradient, rank {rank}, step {step}")
             if rank == 0:  # the rank that writes files: the wrapper's tied weights stop safetensors
                 kind, message, line = got["save_model"]
                 assert kind == "RuntimeError" and message.startswith("Some tensors share memory"), message
