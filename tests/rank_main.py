@@ -67,10 +67,11 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
             # here. Under `python snippet.py` it would just end: end it, before it can
             # write the rank's report or answer for the pool worker.
             os._exit(exit_code)
+        report["left_running"] = left_running()
         try:
             payload = pickle.dumps(report)
         except Exception as error:  # an unpicklable return value is a failure too
-            report = {"exception": describe(error), "returned": None}
+            report = {"exception": describe(error), "returned": None, "left_running": report["left_running"]}
             payload = pickle.dumps(report)
             exit_code = exit_code or 1
         with open(report_file, "wb") as handle:
@@ -78,90 +79,63 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
     return exit_code
 
 
-def shallow_copy(value):
-    """A copy of a plain container's contents, to put back after a job mutated it in place."""
-    return type(value)(value) if type(value) in (dict, list, set) else None
-
-
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def from_project(module) -> bool:
-    path = os.path.abspath(getattr(module, "__file__", None) or "/")
-    return path.startswith(PROJECT + os.sep) and os.sep + ".venv" + os.sep not in path[len(PROJECT):]
+def as_a_new_process() -> None:
+    """What a forked worker changes to start like `python SNIPPET` would, not like a copy of the
+    zygote: the warning filters of a fresh process, and random states seeded from the OS (a
+    fork inherits the zygote's, so every worker would draw the same numbers)."""
+    import torch
+
+    if FILTERS_OF_A_FRESH_PROCESS is not None:
+        warnings.filters[:] = FILTERS_OF_A_FRESH_PROCESS
+    random.seed()
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
-class FreshState:
-    """What a new rank process looks like before it runs a snippet, captured once and put back after each job.
+def left_running() -> list[str]:
+    """Kill what the snippet started and left running; describe each as "PID CMD".
 
-    Covers what a snippet can change and the next one could see: environment
-    variables, working directory, argv and import path, modules imported from
-    the project, RNG states, torch's global switches, warning filters, and the
-    process groups (a snippet that leaves them initialized gets them destroyed).
-    """
+    The rank is a child subreaper (become_subreaper), so everything it started is below it,
+    also what was started in a new session or whose parent already ended."""
+    import psutil
 
-    def __init__(self):
-        import torch
+    me = psutil.Process()
+    found = []
+    for child in me.children(recursive=True):
+        try:
+            found.append((child, f"{child.pid} {' '.join(child.cmdline()) or child.name()}"))
+            child.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs([child for child, _ in found], timeout=5)
+    while True:  # reap what was orphaned to this process meanwhile
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    return [description for _, description in found]
 
-        self.torch = torch
-        self.environ = dict(os.environ)
-        self.cwd = os.getcwd()
-        self.path = list(sys.path)
-        self.modules = set(sys.modules)
-        self.random = random.getstate()
-        self.torch_rng = torch.get_rng_state()
-        self.default_dtype = torch.get_default_dtype()
-        self.grad_enabled = torch.is_grad_enabled()
-        self.num_threads = torch.get_num_threads()
-        self.deterministic = torch.are_deterministic_algorithms_enabled()
-        self.warnings = list(warnings.filters if FILTERS_OF_A_FRESH_PROCESS is None else FILTERS_OF_A_FRESH_PROCESS)
-        # DeepSpeed keeps process groups, its comm backend and ZeRO bookkeeping in
-        # module globals (deepspeed.comm.comm.cdb, deepspeed.utils.groups._WORLD_GROUP, ...).
-        # Remember them as they are right after `import deepspeed`.
-        self.deepspeed_globals = {
-            name: {key: (value, shallow_copy(value)) for key, value in vars(module).items() if not key.startswith("__")}
-            for name, module in list(sys.modules.items())
-            if name.split(".")[0] == "deepspeed" and module is not None
-        }
 
-    def restore_deepspeed_globals(self):
-        for name, saved in self.deepspeed_globals.items():
-            namespace = vars(sys.modules[name])
-            for key in [key for key in namespace if key not in saved and not key.startswith("__")]:
-                del namespace[key]
-            for key, (value, contents) in saved.items():
-                namespace[key] = value
-                if contents is None:
-                    continue
-                # Put the contents back without comparing: __eq__ of what they hold can be costly.
-                value.clear()
-                if type(value) is list:
-                    value.extend(contents)
-                else:
-                    value.update(contents)
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of to init (PR_SET_CHILD_SUBREAPER)."""
+    import ctypes
 
-    def restore(self):
-        torch = self.torch
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        self.restore_deepspeed_globals()
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        sys.path[:] = self.path
-        for name in set(sys.modules) - self.modules:
-            # Modules the snippet imported from the project (its siblings,
-            # helpers) must be imported afresh by the next snippet.
-            if from_project(sys.modules.get(name)):
-                del sys.modules[name]
-        random.setstate(self.random)
-        torch.set_rng_state(self.torch_rng)
-        torch.set_default_dtype(self.default_dtype)
-        torch.set_grad_enabled(self.grad_enabled)
-        torch.set_num_threads(self.num_threads)
-        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
-            torch.use_deterministic_algorithms(self.deterministic)  # costly: imports torch._inductor
-        warnings.filters[:] = self.warnings
+    ctypes.CDLL(None).prctl(36, 1)
+
+
+def dump_stacks_on_request() -> None:
+    """On SIGUSR1, write every thread's Python stack to stderr (file descriptor 2), even while
+    the rank is blocked in C code (a collective): the runner asks before it kills a hung rank."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 # Imported once by a pool worker, before its first job. Only speed depends on this
@@ -210,46 +184,58 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def die_with_parent() -> None:
-    """Get SIGKILL when the parent process ends, even if it is killed with no chance to clean up."""
+def die_with_parent(signum=None) -> None:
+    """Get `signum` (SIGKILL by default) when the parent process ends, even if it is killed with
+    no chance to clean up."""
     import ctypes
     import signal
 
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(1, signum or signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def end_with_descendants() -> None:
+    """Kill every process below this one, then end this one."""
+    import psutil
+
+    try:
+        for process in psutil.Process().children(recursive=True):
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+    finally:
+        os._exit(1)
 
 
 def serve(jobs_fd: int, reply_fd: int) -> int:
-    """The warm pool worker's loop: one JSON job per line on `jobs_fd`, one answer per job on `reply_fd`."""
+    """A warm pool worker: wait for one JSON job on `jobs_fd`, run it, answer on `reply_fd`, end.
+
+    One job per worker: the next run gets a new worker forked from the zygote, so nothing a
+    snippet changes in its process (modules, globals, threads, signal handlers, limits, open
+    files, ...) can reach another snippet, and nothing has to be put back.
+    """
     measured = snippet_coverage()
-    fresh = FreshState()
-    warnings.filters[:] = fresh.warnings
-    saved_stdout, saved_stderr = os.dup(1), os.dup(2)
+    as_a_new_process()
+    become_subreaper()
+    dump_stacks_on_request()
     with os.fdopen(jobs_fd, "r") as jobs, os.fdopen(reply_fd, "w") as replies:
         replies.write(json.dumps({"ready": os.getpid()}) + "\n")
         replies.flush()
-        for line in jobs:
-            job = json.loads(line)
-            os.environ.update(job["env"])
-            out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(out, 1)
-            os.dup2(err, 2)
-            os.close(out)
-            os.close(err)
-            exit_code = measured_run(measured, job["snippet"], job["report"], job.get("function") or "")
-            # Answer first: a failed rank must be seen before its peers fail
-            # because it went away. After a failure the pool is killed anyway.
-            replies.write(json.dumps({"exit_code": exit_code}) + "\n")
-            replies.flush()
-            try:
-                fresh.restore()
-                settle_heap()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(saved_stdout, 1)
-                os.dup2(saved_stderr, 2)
-    return 0
+        line = jobs.readline()
+        if not line:  # the runner closed the pipe: a spare worker that was never used
+            return 0
+        job = json.loads(line)
+        os.environ.update(job["env"])
+        out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        exit_code = measured_run(measured, job["snippet"], job["report"], job.get("function") or "")
+        replies.write(json.dumps({"exit_code": exit_code}) + "\n")
+        replies.flush()
+    return 0  # the job's exit code went in the answer
 
 
 def zygote(control_fd: int) -> int:
@@ -265,9 +251,16 @@ def zygote(control_fd: int) -> int:
     Starting a pool this way costs a fork, not a new interpreter's imports.
     """
     import select
+    import signal
     import socket
 
-    die_with_parent()
+    # When the runner's process ends, even by SIGKILL, this process gets SIGTERM and kills every
+    # process below it first: the workers, and what their snippets started (the workers are
+    # subreapers, so that is all below them too).
+    import psutil  # noqa: F401 - imported now: end_with_descendants may run at any moment
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: end_with_descendants())
+    die_with_parent(signal.SIGTERM)
     warm_up()
     control = socket.socket(fileno=control_fd)
     running: set[int] = set()
@@ -285,6 +278,7 @@ def zygote(control_fd: int) -> int:
                 code = 1
                 try:
                     control.close()
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
                     os.setsid()
                     die_with_parent()
                     jobs_fd, reply_fd, log_fd = fds
@@ -344,6 +338,8 @@ def measured_run(measured, snippet: str, report_file: str, function: str = "") -
 def main() -> int:
     if sys.argv[1] == "--zygote":
         return zygote(int(sys.argv[2]))
+    become_subreaper()
+    dump_stacks_on_request()
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
     return measured_run(snippet_coverage(), snippet, report_file, function)

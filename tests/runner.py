@@ -9,10 +9,16 @@ Every rank sees the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus DS_ACCELERATOR=cpu, so the
 snippet's own `deepspeed.init_distributed(dist_backend="gloo")` works unchanged.
 
-By default a run goes to a warm pool of rank processes (one per world size)
-that imported torch and DeepSpeed once; each run still gets its own process
-group, module namespace and fresh-process state (tests/rank_main.py,
-FreshState). `fresh=True` starts new processes instead, exactly like torchrun.
+By default each rank is a process forked for this run from a warm zygote that
+imported torch and DeepSpeed once (tests/rank_main.py): it starts warm, runs
+this one snippet and ends, so no state passes from one snippet to the next.
+`fresh=True` starts new interpreters instead, exactly like torchrun.
+
+Each rank is a child subreaper: what a snippet starts and leaves running (also in
+a new session, also orphaned) is killed, and the run fails with
+"left a process running: PID CMD". A rank the runner has to kill (hung, or still
+running after a peer failed) is first asked for its Python stack, which the
+failure report shows.
 
 Fail fast: once a rank has failed, the others get `grace` seconds to finish or
 fail on their own, then they are killed (they are usually blocked in a
@@ -39,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 SNIPPETS = ROOT / "snippets"
 RANK_MAIN = Path(__file__).resolve().parent / "rank_main.py"
@@ -49,6 +57,10 @@ DEEPSPEED_NOISE = re.compile(
     r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] "
     r"|DeepSpeed \S+ built successfully$)"
 )
+
+# The first line of each thread in a faulthandler dump, and the frames of the runner below a snippet.
+STACK_DUMP = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
+HARNESS_FRAME = re.compile(r'^  File "(<frozen runpy>|' + re.escape(str(Path(__file__).resolve().parent)) + r'/rank_main\.py)"')
 
 # How gloo fails on a rank whose peer died first: a consequence, not a cause.
 PEER_WENT_AWAY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
@@ -73,16 +85,39 @@ class RankResult:
     exception: dict | None = None  # {"type", "name", "message", "traceback"}
     returned: Any = None  # what the called function returned (call=... runs only)
     killed_by_runner: bool = False
+    left_running: list[str] = field(default_factory=list)  # "PID CMD" of processes the snippet left behind
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and self.exception is None
+        return self.exit_code == 0 and self.exception is None and not self.left_running
+
+    def _stack_start(self) -> int | None:
+        lines = self.stderr.splitlines()
+        starts = [i for i, line in enumerate(lines) if STACK_DUMP.match(line)]
+        return starts[0] if self.killed_by_runner and starts else None
+
+    @property
+    def stack(self) -> str | None:
+        """Where a rank the runner killed was: every thread's Python stack, dumped on request
+        just before the kill (faulthandler's format, most recent call first), without the
+        runner's own frames below the snippet; or None."""
+        start = self._stack_start()
+        if start is None:
+            return None
+        return "\n".join(line for line in self.stderr.splitlines()[start:] if not HARNESS_FRAME.match(line))
+
+    @property
+    def stderr_before_stack(self) -> str:
+        start = self._stack_start()
+        return self.stderr if start is None else "\n".join(self.stderr.splitlines()[:start])
 
     def cause(self) -> str:
         if self.exception:
             return f"{self.exception['name']}: {self.exception['message']}"
         if self.killed_by_runner:
             return "killed by the runner (still running after the run ended)"
+        if self.left_running:
+            return "left a process running: " + "; ".join(self.left_running)
         if self.exit_code is not None and self.exit_code < 0:
             return f"killed by signal {signal.Signals(-self.exit_code).name}"
         return f"exited with code {self.exit_code}"
@@ -158,9 +193,12 @@ class RunResult:
         for rank in failed:
             parts.append(f"rank {rank.rank}: {rank.cause()}")
         for rank in first:
-            detail = rank.exception["traceback"] if rank.exception else _tail(rank.stderr)
+            detail = rank.exception["traceback"] if rank.exception else _tail(rank.stderr_before_stack)
             if detail.strip():
                 parts.append(f"--- rank {rank.rank} ---\n{detail.rstrip()}")
+        for rank in failed:
+            if rank.stack:
+                parts.append(f"--- rank {rank.rank}: where it was when the runner killed it ---\n{rank.stack}")
         return "\n".join(parts)
 
     def check(self) -> RunResult:
@@ -189,6 +227,31 @@ def _kill_group(process: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     process.wait()
+
+
+# How long the runner waits for hung ranks to write their stacks before it kills them.
+STACK_DUMP_WAIT = 2.0
+
+
+def ask_for_stacks(pids: dict[int, int], stderr_of, wait: float = STACK_DUMP_WAIT) -> None:
+    """Ask the still-running ranks (rank -> pid) for their stacks (SIGUSR1: faulthandler, see
+    rank_main.dump_stacks_on_request) and wait until each has written one, or `wait` seconds."""
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    pending = {rank: (-1, 0.0) for rank in pids}  # rank -> (length of its stderr, when it last grew)
+    while pending and time.monotonic() < deadline:
+        now = time.monotonic()
+        for rank, (length, grew_at) in list(pending.items()):
+            text = stderr_of(rank)
+            if len(text) != length:
+                pending[rank] = (len(text), now)
+            elif now - grew_at > 0.1 and any(STACK_DUMP.match(line) for line in text.splitlines()):
+                del pending[rank]  # it dumped, and has written nothing more for 0.1 s
+        time.sleep(0.02)
 
 
 def resolve_snippet(snippet: str | os.PathLike) -> Path:
@@ -261,6 +324,7 @@ def _collect(path, work: Path, world_size, codes, pids, still_running, started, 
                 exception=report.get("exception"),
                 returned=report.get("returned"),
                 killed_by_runner=rank in still_running,
+                left_running=report.get("left_running") or [],
             )
         )
     return RunResult(
@@ -292,6 +356,8 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                 lambda rank: processes[rank].poll(), world_size, started + timeout, grace)
         finally:
             still_running = {r for r, process in enumerate(processes) if process.poll() is None}
+            ask_for_stacks({r: processes[r].pid for r in still_running},
+                           lambda r: (work / f"rank{r}.stderr").read_text(errors="replace"))
             for process in processes:
                 _kill_group(process)
         codes = [process.returncode for process in processes]
@@ -306,7 +372,10 @@ LISTEN_SETTLE = 0.05
 
 
 def listening(port: int) -> bool:
-    """True if some socket of this machine listens on TCP `port` (from /proc/net/tcp and tcp6)."""
+    """True if some socket of this machine listens on TCP `port` (from /proc/net/tcp and tcp6).
+
+    Read by hand, not with psutil.net_connections: that maps every socket to its process and
+    took 13 ms a call here, and this is polled every 2 ms while rank 0 starts."""
     suffix = f":{port:04X}"
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -324,9 +393,8 @@ def listening(port: int) -> bool:
 def process_exists(pid: int) -> bool:
     """True while `pid` is a process that is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -457,14 +525,13 @@ def close_zygotes() -> None:
 
 
 class RankPool:
-    """`world_size` long-lived rank processes that have imported torch and DeepSpeed, reused run after run.
+    """`world_size` rank processes forked from the warm zygote, for one run.
 
-    The workers are forked by the session's zygote, so they start warm. Each run
-    gets a new MASTER_PORT, so the snippet's own init_distributed /
-    init_process_group builds a new process group; afterwards the worker
-    destroys what is left and restores the state of a fresh process (see
-    FreshState in rank_main.py). A run that fails or times out kills the whole
-    pool; the next run forks a new one.
+    The workers start warm (torch and DeepSpeed imported), each runs one job and ends: the
+    next run gets new ones, so nothing a snippet did to its process can reach another
+    snippet. Each run gets a new MASTER_PORT, so the snippet's own init_distributed /
+    init_process_group builds a new process group. The runner keeps one spare pool per world
+    size, forked after a run while the test goes on, so a run rarely waits for a fork.
     """
 
     def __init__(self, world_size: int, startup_timeout: float = 180.0):
@@ -472,16 +539,17 @@ class RankPool:
         self.workers: list[ForkedWorker] = []
         self.replies: list[int] = []
         self.buffers: list[bytes] = []
+        self.ready = False
         self.log = tempfile.NamedTemporaryFile(prefix=f"rank-pool-{world_size}-", suffix=".log", delete=False)
+        self.deadline = time.monotonic() + startup_timeout
         try:
-            deadline = time.monotonic() + startup_timeout
             for rank in range(world_size):
                 environment = torchrun_environment(rank, world_size)
                 zygote = zygote_for(environment.get("OMP_NUM_THREADS"))
                 jobs_read, jobs_write = os.pipe()
                 reply_read, reply_write = os.pipe()
                 try:
-                    pid = zygote.fork(environment, jobs_read, reply_write, self.log.fileno(), deadline)
+                    pid = zygote.fork(environment, jobs_read, reply_write, self.log.fileno(), self.deadline)
                 except BaseException:
                     os.close(jobs_write)
                     os.close(reply_read)
@@ -493,14 +561,18 @@ class RankPool:
                 self.replies.append(reply_read)
                 self.buffers.append(b"")
                 self.workers.append(ForkedWorker(zygote, pid, os.fdopen(jobs_write, "wb")))
-            for rank in range(world_size):
-                while self._reply(rank) is None:
-                    if self.workers[rank].poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"rank pool worker {rank} did not start:\n{self.log_tail()}")
-                    time.sleep(0.01)
         except BaseException:
             self.close()
             raise
+
+    def wait_until_ready(self) -> None:
+        """Wait for every worker's "ready" line (they were forked in __init__)."""
+        for rank in range(self.world_size):
+            while not self.ready and self._reply(rank) is None:
+                if self.workers[rank].poll() is not None or time.monotonic() > self.deadline:
+                    raise RuntimeError(f"rank pool worker {rank} did not start:\n{self.log_tail()}")
+                time.sleep(0.005)
+        self.ready = True
 
     def log_tail(self) -> str:
         return _tail(Path(self.log.name).read_text(errors="replace"))
@@ -542,6 +614,12 @@ class RankPool:
             time.sleep(0.002)
 
     def run(self, path: Path, call, timeout: float, grace: float, env) -> RunResult:
+        """Run the job on every worker, once; the workers end with it."""
+        try:
+            self.wait_until_ready()
+        except BaseException:
+            self.close()
+            raise
         port = free_port()
         started = time.monotonic()
         codes: list[int | None] = [None] * self.world_size
@@ -573,8 +651,10 @@ class RankPool:
                 _, failed_first, failed_at, timed_out = _wait_for_ranks(poll, self.world_size, started + timeout, grace)
             finally:
                 still_running = {r for r in range(self.world_size) if codes[r] is None}
-                if still_running or any(code != 0 for code in codes):
-                    self.close()
+                ask_for_stacks({r: self.workers[r].pid for r in still_running},
+                               lambda r: (work / f"rank{r}.stderr").read_text(errors="replace")
+                               if (work / f"rank{r}.stderr").exists() else "")
+                self.close()
             for rank in still_running:
                 codes[rank] = self.workers[rank].returncode
             for rank in range(self.world_size):  # make sure the files exist even if a worker never opened them
@@ -596,24 +676,31 @@ class RankPool:
         Path(self.log.name).unlink(missing_ok=True)
 
 
-_pools: dict[int, RankPool] = {}
+_spares: dict[int, RankPool] = {}
 
 
 def close_pools() -> None:
-    while _pools:
-        _pools.popitem()[1].close()
+    """Close the spare pools (their workers never ran anything)."""
+    while _spares:
+        _spares.popitem()[1].close()
 
 
 atexit.register(close_zygotes)  # the pools first, then the zygotes that forked them
 
 
-def warm_pool(world_size: int) -> RankPool:
-    pool = _pools.get(world_size)
-    if pool is None or not pool.alive:
-        if pool is not None:
-            pool.close()
-        pool = _pools[world_size] = RankPool(world_size)
-    return pool
+def pool_for_a_run(world_size: int) -> RankPool:
+    """The spare pool of this world size if it is still whole, else a new one."""
+    pool = _spares.pop(world_size, None)
+    if pool is not None and not pool.alive:
+        pool.close()
+        pool = None
+    return pool or RankPool(world_size)
+
+
+def fork_a_spare(world_size: int) -> None:
+    """Fork the next run's pool now: it gets ready while the caller goes on."""
+    if world_size not in _spares:
+        _spares[world_size] = RankPool(world_size)
 
 
 # Snippet line coverage (tests/coverage_gate.py) is measured in the first run of each
@@ -655,7 +742,8 @@ def run_snippet(
         if fresh:
             result = run_fresh(path, world_size, call, timeout, grace, env)
         else:
-            result = warm_pool(world_size).run(path, call, timeout, grace, env)
+            result = pool_for_a_run(world_size).run(path, call, timeout, grace, env)
+            fork_a_spare(world_size)
         if first_attempt is not None:
             result.retried_because = first_attempt.failure_report()
         if not result.port_was_taken:

@@ -142,13 +142,13 @@ def test_a_port_that_stays_taken_is_a_clear_error(taken_port, monkeypatch):
     assert not any(alive(rank.pid) for rank in result.ranks)
 
 
-# A test session in miniature: run hello.py in the warm pool, print the port, the pids of the
-# processes the session started for it (pool ranks and the zygote that forked them) and the
-# output, then wait until its stdin closes.
+# A test session in miniature: run hello.py on 2 warm ranks, print the port, the pids of the
+# processes the session keeps for the next run (the spare pool's two ranks and the zygote that
+# forked them) and the output, then wait until its stdin closes.
 SESSION = (
     "import sys; sys.path.insert(0, 'tests'); import runner;"
     "r = runner.run_snippet('tests/runner_cases/hello.py', world_size=2).check();"
-    "print(r.port); print(*[rank.pid for rank in r.ranks], *runner.zygote_pids());"
+    "print(r.port); print(*[worker.pid for worker in runner._spares[2].workers], *runner.zygote_pids());"
     "print(r.output, end='', flush=True); sys.stdin.read()"
 )
 
@@ -183,8 +183,8 @@ def test_two_test_runs_at_the_same_time(two_sessions):
     assert first_port != second_port
     for output in (first_output, second_output):
         assert output == ["[rank 0] world 2 local 0 sum 3", "[rank 1] world 2 local 1 sum 3"]
-    assert len(first_pids) == len(second_pids) == 3  # two ranks and a zygote each
-    assert not set(first_pids) & set(second_pids)  # each run had its own pool
+    assert len(first_pids) == len(second_pids) == 3  # two spare ranks and a zygote each
+    assert not set(first_pids) & set(second_pids)  # each session has its own
     assert all(alive(pid) for pid in first_pids)
     first.stdin.close()  # the first session ends normally
     assert first.wait(timeout=30) == 0
@@ -239,12 +239,8 @@ def test_the_next_session_removes_what_a_killed_session_left_in_the_temporary_di
     session, pids = start_interrupted_session(tmp_path, fresh=False)
     session.kill()  # SIGKILL: it cannot clean up
     session.wait(timeout=30)
-    # (The ranks die with it; children the ranks started may not: issue 17, item 7, is open.)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # The ranks and the children they started die with it (issue 17, item 7): the zygote gets
+    # SIGTERM when the session dies and kills everything below it.
     assert wait_until_gone(pids)
     left = tmp_path / "tmp" / f"snippet-tests-{session.pid}"
     assert left.is_dir() and any(left.iterdir())  # rank logs, coverage data, ...
@@ -282,3 +278,35 @@ def test_a_child_forked_by_a_snippet_never_answers_for_its_rank(fresh):
             f"child of rank {rank} returns without os._exit\nrank {rank} parent done\n")
     after = run_snippet(CASES / "hello.py", world_size=2, fresh=fresh).check()
     assert after.output == "[rank 0] world 2 local 0 sum 3\n[rank 1] world 2 local 1 sum 3\n"
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_a_process_a_snippet_leaves_running_fails_the_run_and_is_killed(fresh):
+    """Issue 17, item 7: a daemon in a new session and an orphaned sleep outlive the snippet;
+    the run fails naming them, and they are gone when run_snippet returns."""
+    result = run_snippet(CASES / "leave_a_process.py", world_size=2, fresh=fresh)
+    assert not result.ok
+    assert result.output == "rank 0 done\nrank 1 done\n"
+    assert result.ranks[0].ok and result.ranks[0].left_running == []
+    left = result.ranks[1].left_running
+    assert sorted(line.split(" ", 1)[1] for line in left) == ["sleep 301", "sleep 302"], left
+    assert result.ranks[1].cause().startswith("left a process running: ")
+    assert f"rank 1: left a process running: {left[0]}; {left[1]}" in result.failure_report()
+    assert not any(alive(int(line.split()[0])) for line in left)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
+def test_a_hung_run_shows_where_each_rank_was(fresh):
+    """Issue 16: before it kills hung ranks the runner asks each for its Python stack: rank 0
+    waits in all_reduce (line 11), rank 1 loops in the snippet (line 10)."""
+    # Fresh processes import torch first (7 s and more on a loaded machine): a longer timeout.
+    result = run_snippet(CASES / "hang_on_rank1.py", world_size=2, timeout=40 if fresh else 5, fresh=fresh)
+    assert result.timed_out and all(rank.killed_by_runner for rank in result.ranks)
+    report = result.failure_report()
+    snippet = str(CASES / "hang_on_rank1.py")
+    rank0 = report.split("--- rank 0: where it was when the runner killed it ---\n")[1].split("--- rank 1")[0]
+    rank1 = report.split("--- rank 1: where it was when the runner killed it ---\n")[1]
+    assert re.search(r'File ".*/torch/distributed/distributed_c10d.py", line \d+ in all_reduce\n', rank0), report
+    assert f'File "{snippet}", line 11 in <module>' in rank0, report
+    assert rank1.splitlines()[1:] == [f'  File "{snippet}", line 10 in <module>'], report
+    assert "rank_main.py" not in rank0 + rank1 and "<frozen runpy>" not in rank0 + rank1  # the runner's frames

@@ -1,7 +1,13 @@
 """A badly behaved snippet: it changes every kind of process state it can and cleans up nothing."""
+import io
+import logging
 import os
 import random
+import resource
+import signal
 import sys
+import threading
+import time
 import warnings
 
 import deepspeed
@@ -25,4 +31,28 @@ torch.set_grad_enabled(False)
 torch.manual_seed(1234)
 random.seed(1234)
 warnings.simplefilter("ignore")
-print("left state behind")
+print("left state behind", flush=True)
+# Issue 17, item 5: what a worker that runs the next snippet would still carry.
+torch.nn.functional.relu = lambda x, inplace=False: x * 0  # a monkeypatch
+torch.set_printoptions(precision=1)
+torch.set_float32_matmul_precision("medium")
+os.umask(0o077)
+sys.setrecursionlimit(123456)
+logging.getLogger("deepspeed").setLevel(logging.CRITICAL)
+logging.getLogger().setLevel(logging.DEBUG)
+torch.nn.modules.module.register_module_forward_hook(lambda module, inputs, output: None)
+torch.autograd.set_detect_anomaly(True)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+
+
+def chatter():
+    while True:
+        print("a thread of leave_state_behind.py still prints", flush=True)
+        time.sleep(0.01)
+
+
+threading.Thread(target=chatter, daemon=True).start()
+sys.stdout = io.StringIO()  # and the next snippet's prints would vanish
