@@ -202,8 +202,7 @@ def matrix(rest: list[str]) -> int:
     # not need .venv/. Standard library only, like this file.
     if sys.version_info[:2] != (3, 11):
         die(f"needs Python 3.11 (the pinned torch 2.13.0 wheel is cp311); this is {sys.version.split()[0]}")
-    sys.path.insert(0, str(ROOT / "versions"))
-    import matrix as version_matrix
+    from versions import matrix as version_matrix
     return version_matrix.main(rest)
 
 

@@ -35,9 +35,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tasks import environment, pytest_arguments  # noqa: E402
+from tasks import environment, pytest_arguments
 
 PYTHON = sys.executable
 PAGE = Path("docs") / "zero3" / "troubleshooting.md"

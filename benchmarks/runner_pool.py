@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/runner_pool.py [--cold-runs 5] [--warm-runs 20] [--skip-suite]
 
-Measures, in one run, on the same trivial 2-rank snippet (tests/runner_cases/hello.py):
+Measures, in one run, on the same trivial 2-rank snippet (rankrun/tests/cases/hello.py):
 cold (new processes per run, like torchrun) vs warm pool time per snippet, a run right
 after a failed one (the pool is rebuilt: forked from the zygote), the slope of pool
 time per added snippet, and the wall time of the test suite, whole and --quick, run
@@ -20,15 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from rankrun.runner import close_pools, run_snippet
+from tasks import environment, pytest_arguments
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 
-from runner import close_pools, run_snippet  # noqa: E402
-from tasks import environment, pytest_arguments  # noqa: E402
-
-SNIPPET = ROOT / "tests" / "runner_cases" / "hello.py"
-FAILING = ROOT / "tests" / "runner_cases" / "raise_on_rank1.py"
+SNIPPET = ROOT / "rankrun" / "tests" / "cases" / "hello.py"
+FAILING = ROOT / "rankrun" / "tests" / "cases" / "raise_on_rank1.py"
 
 
 def timed_suite(*options: str) -> tuple[float, str]:

@@ -10,12 +10,9 @@
 """
 
 import re
-import sys
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "versions"))
-import matrix  # noqa: E402  (versions/matrix.py: standard library only)
+from versions import matrix  # versions/matrix.py: standard library only
 
 INCLUDE = re.compile(r"""--8<--\s+["']([^"':]+)""")
 

@@ -1,8 +1,9 @@
+"""This project's test setup besides the harness's plugin (rankrun.plugin): the session's
+strict site build, started in the background and read by the tests that need it last."""
+
 from __future__ import annotations
 
-import difflib
 import os
-import random
 import shutil
 import signal
 import tempfile
@@ -10,58 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from examples import includes
-from runner import ROOT, RunResult, close_zygotes
 
-pytest_plugins = ["coverage_gate"]
-
-
-def pytest_addoption(parser):
-    parser.addoption(
-        "--update-outputs",
-        action="store_true",
-        help="rewrite the output files (snippets/**/*.out) from this run instead of comparing",
-    )
-    parser.addoption(
-        "--order",
-        default="declared",
-        help="test order: declared (the tests that read the site build last), reverse, or random[:SEED] "
-             "(proves runs in the warm pool are independent)",
-    )
-
-
-# Every temporary file of a test session (rank logs, coverage data, site builds, what the
-# snippets, torchrun and the notebook write to the temporary directory) goes into one
-# directory per session, removed when the session ends. A session that was killed outright
-# cannot clean up: the next session removes the directories of sessions that are gone.
-SESSION_TMP_PREFIX = "snippet-tests-"
-
-
-def remove_directories_of_ended_sessions(base: Path) -> None:
-    for directory in base.glob(f"{SESSION_TMP_PREFIX}*"):
-        pid = directory.name[len(SESSION_TMP_PREFIX):]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # pytest-xdist workers inherit TMPDIR
-        base = Path(tempfile.gettempdir())
-        remove_directories_of_ended_sessions(base)
-        config.session_tmp = base / f"{SESSION_TMP_PREFIX}{os.getpid()}"
-        config.session_tmp.mkdir(exist_ok=True)
-        os.environ["TMPDIR"] = str(config.session_tmp)
-        tempfile.tempdir = None  # tempfile caches the directory it found first
-    order = config.getoption("--order")
-    name, _, seed = order.partition(":")
-    if order not in ("declared", "reverse") and name != "random":
-        raise pytest.UsageError(f"--order takes declared, reverse or random[:SEED], not {order!r}")
-    if name == "random" and not seed:
-        # Chosen once: pytest-xdist workers start after this and inherit it, and must all
-        # collect the tests in the same order.
-        seed = os.environ.setdefault("TEST_ORDER_SEED", str(random.randrange(10**6)))
-    config.order_seed = int(seed) if name == "random" else None
+def pytest_configure(config):  # after rankrun.plugin's (tryfirst): the session's TMPDIR is set
     if not hasattr(config, "workerinput"):
         # One strict build of the site per test session, shared by the pytest-xdist
         # workers (tests/test_site.py, strict_build).
@@ -79,9 +30,6 @@ def pytest_unconfigure(config):
             except (ProcessLookupError, PermissionError):
                 pass
         shutil.rmtree(config.site_build_dir, ignore_errors=True)
-    if hasattr(config, "session_tmp"):
-        close_zygotes()  # their logs are in it
-        shutil.rmtree(config.session_tmp, ignore_errors=True)
 
 
 def reads_the_site_build(item) -> bool:
@@ -89,11 +37,7 @@ def reads_the_site_build(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--order") == "reverse":
-        items.reverse()
-    elif config.order_seed is not None:
-        random.Random(config.order_seed).shuffle(items)
-    else:
+    if config.getoption("--order") == "declared":
         # The tests that read the site build go last: the build starts in the background
         # when collection ends (pytest_collection_finish) and is done by the time they run.
         items.sort(key=reads_the_site_build)  # stable: the declared order otherwise
@@ -105,53 +49,3 @@ def pytest_collection_finish(session):
         from test_site import start_strict_build
 
         start_strict_build()
-
-
-def pytest_report_header(config):
-    seed = config.order_seed
-    return f"test order: {config.getoption('--order')}" + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")
-
-
-def pages_including(output_file: Path) -> list[str]:
-    """The pages (docs/…) that include `output_file` with --8<--."""
-    shown = str(output_file.relative_to(ROOT))
-    return sorted({str(page) for page, path, _ in includes() if path == shown})
-
-
-def output_mismatch(name: str, output_file: Path, expected: str, actual: str) -> str:
-    """The report for a run that printed something else than its output file: where the file is
-    shown, the whole difference, and how to accept the new output."""
-    shown = output_file.relative_to(ROOT)
-    pages = pages_including(output_file)
-    diff = difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
-                                fromfile=f"{shown} (committed)", tofile=f"{shown} (this run)")
-    return (
-        f"{name} printed something else than {shown}, which "
-        + (f"is shown on {', '.join(pages)}" if pages else "no page includes")
-        + ".\n" + "".join(diff)
-        + "\nIf the new output is right (the example changed on purpose), regenerate the output files from "
-          "real runs and review the diff:\n    python3 tasks.py test --update-outputs && git diff snippets/"
-    )
-
-
-@pytest.fixture
-def expect_output(request):
-    """Compare a run's transcript with an output file, or rewrite it under --update-outputs."""
-    update = request.config.getoption("--update-outputs")
-
-    def check(result: RunResult, output_file: Path) -> None:
-        actual = result.transcript()
-        if update:
-            output_file.write_text(actual)
-            return
-        if not output_file.exists():
-            pytest.fail(
-                f"{output_file.relative_to(ROOT)} is missing; create it from a real run with "
-                f"`python3 tasks.py test --update-outputs`"
-            )
-        expected = output_file.read_text()
-        if actual != expected:
-            context = "" if result.ok else "\n" + result.failure_report()
-            pytest.fail(output_mismatch(result.name, output_file, expected, actual) + context, pytrace=False)
-
-    return check

@@ -5,13 +5,12 @@ file and section that exist; every snippet documents its torchrun command (the c
 tests/test_snippets.py runs it with) and has an output file.
 """
 
-import importlib.util
 import re
 
 import pytest
 
-from examples import DOCS, TORCHRUN, all_snippets, documented_world_size, includes, output_file
-from runner import ROOT, SNIPPETS
+from rankrun.pages import DOCS, TORCHRUN, all_snippets, documented_world_size, includes, output_file
+from rankrun.runner import ROOT, SNIPPETS
 
 
 
@@ -88,11 +87,7 @@ def test_every_section_marker_is_matched_and_used_by_a_page(snippet_file):
 
 
 def test_an_output_mismatch_names_the_pages_shows_the_whole_diff_and_how_to_update():
-    # By path: `import conftest` gets tests/site/conftest.py once that directory is collected.
-    spec = importlib.util.spec_from_file_location("tests_conftest", ROOT / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    output_mismatch = conftest.output_mismatch
+    from rankrun.plugin import output_mismatch
 
     out = ROOT / "snippets" / "zero3" / "language_model.out"
     expected = "".join(f"line {i}\n" for i in range(40))

@@ -1,6 +1,6 @@
 """Output blocks say what they are, the same way on every page.
 
-An output file (snippets/**/*.out) holds the runner's transcript (tests/runner.py,
+An output file (snippets/**/*.out) holds the runner's transcript (rankrun/runner.py,
 RunResult.transcript): each rank's stdout, rank after rank, without DeepSpeed's log lines,
 then, for a run that failed, one `Type: message` line per distinct exception. That is not
 exactly what `torchrun` prints, so every block that includes one is introduced by one of two
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from examples import output_file
-from runner import DEEPSPEED_NOISE, ROOT, free_port, printed_by_the_example
+from rankrun.pages import output_file
+from rankrun.runner import DEEPSPEED_NOISE, ROOT, free_port, printed_by_the_example
 from test_prose_literals import FENCE, included_files, normalise, page_lines, page_name, page_outputs, pages, snippet_notation
 
-# The runner's transcript (tests/runner.py RunResult.transcript) is what an output file holds:
+# The runner's transcript (rankrun/runner.py RunResult.transcript) is what an output file holds:
 # each rank's stdout, rank after rank (torchrun interleaves them), without DeepSpeed's log
 # lines, then one line per distinct exception of the ranks that failed first. So every block
 # that includes one is introduced by the same words, on every page; docs/testing.md#output-blocks

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 pytestmark = pytest.mark.slow  # two plain-python runs of whole examples, for the messages a reader sees
 

@@ -58,7 +58,7 @@ import markdown
 import pytest
 from mkdocs.utils.yaml import yaml_load
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 DOCS = ROOT / "docs"
 ALLOWLIST = ROOT / "tests" / "prose_literals_allowlist.tsv"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 SITE_SOURCES = ["mkdocs.yml", "docs", "snippets", "overrides", "hooks", "versions"]
 NOTEBOOK = Path("docs") / "notebooks" / "gather-and-release.py"
@@ -75,24 +75,12 @@ def start_strict_build() -> None:
     with open(base / "build.lock", "w") as lock, open(base / "builder.log", "w") as log:
         fcntl.flock(lock, fcntl.LOCK_EX)
         builder = subprocess.Popen(
-            [sys.executable, "-c", BUILDER, str(base)],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, pass_fds=[lock.fileno()],
+            [sys.executable, __file__, str(base)],
+            cwd=ROOT, pass_fds=[lock.fileno()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
         )
     # The session kills the builder's process group if it ends before the build does (conftest.py).
     (base / "builder.pid").write_text(str(builder.pid))
-
-
-# The background builder: holds the inherited lock until it exits; builds unless a caller of
-# strict_build got there first.
-BUILDER = """
-import sys
-from pathlib import Path
-import test_site
-base = Path(sys.argv[1])
-if not (base / "build.json").exists():
-    test_site.record_strict_build(base)
-"""
 
 
 @functools.cache
@@ -238,3 +226,10 @@ def test_failing_notebook_cell_fails_the_build(project_copy, tmp_path):
     stderr = re.sub(r"\x1b\[[0-9;]*m", "", result.stderr)  # the kernel's traceback is colored
     assert "CellExecutionError" in stderr and "RuntimeError: deliberately broken cell" in stderr, stderr[-3000:]
     assert "a cell failed, so the page cannot be built" in stderr
+
+
+if __name__ == "__main__":
+    # The background builder (start_strict_build): holds the inherited lock until it exits;
+    # builds unless a caller of strict_build got there first.
+    if not (Path(sys.argv[1]) / "build.json").exists():
+        record_strict_build(Path(sys.argv[1]))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from examples import all_snippets, documented_world_size, output_file
-from runner import run_snippet
+from rankrun.pages import all_snippets, documented_world_size, output_file
+from rankrun.runner import run_snippet
 
 # Snippets that need more than the runner's default timeout: automatic_detection.py trains
 # every case of its page's tables (78 ZeRO-3 runs) in one launch; under coverage on a loaded

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import coverage_gate
-from runner import ROOT
+from rankrun import coverage_gate
+from rankrun.runner import ROOT
 
 pytestmark = pytest.mark.slow  # checks of the commands, not of an example
 

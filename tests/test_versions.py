@@ -4,15 +4,13 @@ pinned release's row against a fresh run in this environment."""
 from __future__ import annotations
 
 import re
-import sys
 from importlib.metadata import version
 
 import pytest
 
-from runner import ROOT, run_snippet
+from rankrun.runner import ROOT, run_snippet
 
-sys.path.insert(0, str(ROOT / "versions"))
-import matrix  # noqa: E402
+from versions import matrix
 
 CONFIG = matrix.load_releases()
 DATA = matrix.load_data()

@@ -51,7 +51,7 @@ RUN_TIMEOUT = 900.0  # seconds for one torchrun command
 PROBE_TIMEOUT = 2400.0  # the first import compiles an op: ~5 min on 2 loaded cores, 10+ when very loaded
 
 # Lines DeepSpeed itself writes to stdout (its logger, its op loader): not the example's output.
-# The same filter as the test runner's (tests/runner.py, DEEPSPEED_NOISE).
+# The same filter as the test runner's (rankrun/runner.py, DEEPSPEED_NOISE).
 DEEPSPEED_NOISE = re.compile(
     r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] "
     r"|DeepSpeed \S+ built successfully$)"

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples import output_file
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/pipeline/fsdp_tied.py"
 MESSAGE = ("Parameter 'head.weight' is shared with a parameter already managed by another FSDP group. "

@@ -6,8 +6,8 @@ import runpy
 import pytest
 import torch
 
-from examples import output_file
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.runner import ROOT, run_snippet
 
 DEEPSPEED = "snippets/pipeline/deepspeed_tied_dp.py"
 TORCH = "snippets/pipeline/torch_tied_dp.py"

@@ -7,9 +7,9 @@ import runpy
 import pytest
 import torch
 
-from examples import output_file
-from plain_pytorch import train_gpipe_in_one_process
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.reference import train_gpipe_in_one_process
+from rankrun.runner import ROOT, run_snippet
 
 TORCH = "snippets/pipeline/torch_three_way.py"
 

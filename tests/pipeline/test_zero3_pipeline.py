@@ -1,7 +1,7 @@
 """DeepSpeed refuses ZeRO-3 together with pipeline parallelism."""
 
-from examples import output_file
-from runner import run_snippet
+from rankrun.pages import output_file
+from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/pipeline/zero3_pipeline.py"
 

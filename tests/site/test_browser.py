@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 pytestmark = pytest.mark.slow  # a real Chromium
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import jupytext
 import pytest
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 spec = importlib.util.spec_from_file_location("tasks", ROOT / "tasks.py")
 tasks = importlib.util.module_from_spec(spec)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 NOTEBOOK = '''\
 # %% [markdown]

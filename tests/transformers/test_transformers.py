@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from examples import output_file
-from plain_pytorch import assert_same_training
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.reference import assert_same_training
+from rankrun.runner import ROOT, run_snippet
 
 TINY = "snippets/transformers/tiny_t5.py"
 READER = "snippets/transformers/t5_reader.py"

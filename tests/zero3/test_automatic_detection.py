@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples import output_file
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/automatic_detection.py"
 PAGE = ROOT / "docs/zero3/automatic-detection.md"

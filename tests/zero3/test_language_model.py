@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples import output_file
-from plain_pytorch import assert_same_training, train_in_one_process
-from runner import ROOT, free_port, printed_by_the_example, run_snippet
+from rankrun.pages import output_file
+from rankrun.reference import assert_same_training, train_in_one_process
+from rankrun.runner import ROOT, free_port, printed_by_the_example, run_snippet
 
 SNIPPET = "snippets/zero3/language_model.py"
 

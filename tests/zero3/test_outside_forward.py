@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples import output_file
-from plain_pytorch import assert_same_training, train_in_one_process
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.reference import assert_same_training, train_in_one_process
+from rankrun.runner import ROOT, run_snippet
 
 GATHERED = "snippets/zero3/gathered_parameters.py"
 OUTSIDE = "snippets/zero3/soft_inputs_outside.py"

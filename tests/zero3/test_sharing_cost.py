@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from examples import output_file
-from plain_pytorch import train_in_one_process
-from runner import ROOT, run_snippet
+from rankrun.pages import output_file
+from rankrun.reference import train_in_one_process
+from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/sharing_cost.py"
 TIMELINE = ROOT / "snippets/zero3/sharing_cost.tsv"

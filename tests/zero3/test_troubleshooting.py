@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from runner import ROOT
+from rankrun.runner import ROOT
 
 PAGE = ROOT / "docs/zero3/troubleshooting.md"
 # message heading on the page -> the output file that shows it

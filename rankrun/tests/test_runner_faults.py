@@ -1,6 +1,6 @@
 """Fault injection: every way a rank can fail ends the run promptly, says who failed and why, and leaves nothing running.
 
-Each case is a purpose-made script in tests/runner_cases/, run in the warm pool; the cases
+Each case is a purpose-made script in rankrun/tests/cases/, run in the warm pool; the cases
 where fresh processes take another code path (a timeout, a rank's own exit code) run in fresh
 processes too. For each: the run ends within a bound (the grace period or the timeout,
 plus a few seconds), the report names the snippet, the ranks and the cause, and no process
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-import runner
-from processes import alive
-from runner import ROOT, SnippetFailed, run_snippet
+from rankrun import runner
+from rankrun.processes import alive
+from rankrun.runner import ROOT, SnippetFailed, run_snippet
 
 pytestmark = pytest.mark.slow  # checks of the runner, not of an example
 
-CASES = Path(__file__).parent / "runner_cases"
+CASES = Path(__file__).parent / "cases"
 GRACE = 1.0  # the default is 3 s; the bounds below are stated relative to it
 SLACK = 5.0  # seconds on top of the grace period or the timeout
 
@@ -83,7 +83,7 @@ def test_fault_ends_the_run_and_names_rank_and_cause(case, timeout, rank_lines, 
         assert ended_after < GRACE + SLACK, f"ran {ended_after:.1f}s after the first failure"
         assert result.seconds < timeout
     report = result.failure_report()
-    assert report.startswith(f"tests/runner_cases/{case}.py failed on 2 ranks")
+    assert report.startswith(f"rankrun/tests/cases/{case}.py failed on 2 ranks")
     for line in rank_lines:
         assert line in report, report
     assert result.errors == errors
@@ -146,8 +146,8 @@ def test_a_port_that_stays_taken_is_a_clear_error(taken_port, monkeypatch):
 # processes the session keeps for the next run (the spare pool's two ranks and the zygote that
 # forked them) and the output, then wait until its stdin closes.
 SESSION = (
-    "import sys; sys.path.insert(0, 'tests'); import runner;"
-    "r = runner.run_snippet('tests/runner_cases/hello.py', world_size=2).check();"
+    "import sys; from rankrun import runner;"
+    "r = runner.run_snippet('rankrun/tests/cases/hello.py', world_size=2).check();"
     "print(r.port); print(*[worker.pid for worker in runner._spares[2].workers], *runner.zygote_pids());"
     "print(r.output, end='', flush=True); sys.stdin.read()"
 )
@@ -256,8 +256,8 @@ def test_a_zygote_that_dies_while_importing_shows_its_own_output(tmp_path):
     """A broken environment (here: a deepspeed that fails to import) is reported as the
     zygote's own traceback, not as the `ConnectionResetError` the runner met afterwards."""
     (tmp_path / "deepspeed.py").write_text('raise ImportError("cannot import name \'X\' (broken on purpose)")\n')
-    script = "from runner import run_snippet\nrun_snippet('tests/runner_cases/hello.py', 2)\n"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(tmp_path)])}
+    script = "from rankrun.runner import run_snippet\nrun_snippet('rankrun/tests/cases/hello.py', 2)\n"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # the broken deepspeed.py comes first
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1

@@ -1,8 +1,8 @@
-"""Not part of the suite: tests/test_runner_faults.py runs this file in a child pytest and interrupts it."""
+"""Not part of the suite: rankrun/tests/test_runner_faults.py runs this file in a child pytest and interrupts it."""
 import os
 from pathlib import Path
 
-from runner import run_snippet
+from rankrun.runner import run_snippet
 
 
 def test_run_until_interrupted():

@@ -1,20 +1,22 @@
-"""One rank process of a snippet run: started by `tests/runner.py`, never imported by tests.
+"""One rank process of a snippet run: started by `rankrun/runner.py`, never imported by tests.
 
-    python tests/rank_main.py SNIPPET REPORT_FILE [FUNCTION]   # run one snippet, exit
-    python tests/rank_main.py --zygote CONTROL_FD              # forks warm pool workers
+    python rankrun/rank_main.py SNIPPET REPORT_FILE [FUNCTION]   # run one snippet, exit
+    python rankrun/rank_main.py --zygote CONTROL_FD              # forks warm workers
 
 One-shot: runs SNIPPET as `__main__` (exactly as `python SNIPPET` would), or,
 with FUNCTION, loads it as a module and calls that function with no arguments.
 Writes a pickled report (exception details, the function's return value) to
 REPORT_FILE and exits 0 on success, 1 when the snippet raised.
 
-Warm pool worker (forked by the zygote, which imported torch and DeepSpeed
-once for the whole test session): reads one JSON job per line on its job pipe
-({"snippet", "report", "function", "stdout", "stderr", "env"}),
-runs it like the one-shot mode with its stdout/stderr (file descriptors 1 and 2,
-so C-level output and DeepSpeed's logger too) sent to the job's files, puts
-back the state a fresh process would have, and answers `{"exit_code": N}` on
-REPLY_FD.
+Warm worker (forked by the zygote, which imported torch and DeepSpeed once for the
+whole test session): reads one JSON job on its job pipe ({"snippet", "report",
+"function", "stdout", "stderr", "env"}), runs it like the one-shot mode with its
+stdout/stderr (file descriptors 1 and 2, so C-level output and DeepSpeed's logger
+too) sent to the job's files, answers `{"exit_code": N}` on its reply pipe, and
+ends: one job per worker.
+
+Every rank, one-shot or warm, is a child subreaper, kills what the snippet left
+running (and reports it), and dumps its threads' stacks on SIGUSR1.
 """
 
 import json
@@ -79,7 +81,7 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
     return exit_code
 
 
-PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT = os.getcwd()  # the runner starts every rank and the zygote in the project's root
 
 
 def as_a_new_process() -> None:
@@ -308,7 +310,7 @@ def zygote(control_fd: int) -> int:
 
 
 def snippet_coverage():
-    """Line coverage of snippets/ in this rank, when the test session asks for it (tests/coverage_gate.py).
+    """Line coverage of snippets/ in this rank, when the test session asks for it (rankrun/coverage_gate.py).
 
     Returns a Coverage object, not yet started, or None.
     """

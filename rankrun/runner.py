@@ -10,7 +10,7 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus DS_ACCELERATOR=cpu, so the
 snippet's own `deepspeed.init_distributed(dist_backend="gloo")` works unchanged.
 
 By default each rank is a process forked for this run from a warm zygote that
-imported torch and DeepSpeed once (tests/rank_main.py): it starts warm, runs
+imported torch and DeepSpeed once (rankrun/rank_main.py): it starts warm, runs
 this one snippet and ends, so no state passes from one snippet to the next.
 `fresh=True` starts new interpreters instead, exactly like torchrun.
 
@@ -47,7 +47,18 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+def find_project_root(start: Path) -> Path:
+    """The docs project the snippets belong to: the nearest directory at or above `start` that
+    holds mkdocs.yml (or `start` itself if none does)."""
+    for directory in (start, *start.parents):
+        if (directory / "mkdocs.yml").is_file():
+            return directory
+    return start
+
+
+# Set RANKRUN_PROJECT to choose the project; by default it is found from the working directory,
+# so pytest run from any directory of the project finds the same one.
+ROOT = Path(os.environ.get("RANKRUN_PROJECT") or find_project_root(Path.cwd().resolve())).resolve()
 SNIPPETS = ROOT / "snippets"
 RANK_MAIN = Path(__file__).resolve().parent / "rank_main.py"
 
@@ -190,6 +201,9 @@ class RunResult:
         if self.timed_out:
             head += f": timed out after {self.timeout:.0f}s"
         parts = [head]
+        pages = self.pages()
+        if pages:
+            parts.append(f"shown on {', '.join(pages)}")
         for rank in failed:
             parts.append(f"rank {rank.rank}: {rank.cause()}")
         for rank in first:
@@ -200,6 +214,12 @@ class RunResult:
             if rank.stack:
                 parts.append(f"--- rank {rank.rank}: where it was when the runner killed it ---\n{rank.stack}")
         return "\n".join(parts)
+
+    def pages(self) -> list[str]:
+        """The pages (docs/...) that include this snippet with --8<--, whole or a section of it."""
+        from rankrun.pages import includes
+
+        return sorted({str(page) for page, path, _ in includes() if path == self.name})
 
     def check(self) -> RunResult:
         if not self.ok:
@@ -366,7 +386,7 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
 
 
 # How long the other ranks still wait once rank 0's store listens. Measured here with
-# tests/runner_cases/hello.py: with no pause, about 1 run in 30 spent 5 s in
+# rankrun/tests/cases/hello.py: with no pause, about 1 run in 30 spent 5 s in
 # init_process_group (rank 0's store waiting for its workers); with 50 ms, none in 300.
 LISTEN_SETTLE = 0.05
 
@@ -703,7 +723,7 @@ def fork_a_spare(world_size: int) -> None:
         _spares[world_size] = RankPool(world_size)
 
 
-# Snippet line coverage (tests/coverage_gate.py) is measured in the first run of each
+# Snippet line coverage (rankrun/coverage_gate.py) is measured in the first run of each
 # entry point of an example (the file as __main__, or one of its functions): the gate
 # asks that every line ran in some rank, and the coverage tracer adds ~40% to a
 # DeepSpeed run, so repeats (other world sizes, other tests) run without it.

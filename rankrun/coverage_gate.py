@@ -2,7 +2,7 @@
 
 An example line that no run executes is an untested claim, so the whole suite fails
 when one is left (FastAPI gates its docs_src/ the same way). Coverage is measured inside
-the rank processes (tests/rank_main.py), not in the test process. The gate is on when the
+the rank processes (rankrun/rank_main.py), not in the test process. The gate is on when the
 whole suite runs (`pytest` with no paths and no -k, and no -m other than `not slow`, as
 `python3 tasks.py test` and `python3 tasks.py test --quick` do),
 and can be forced on or off with --snippet-coverage / --no-snippet-coverage. Exclude a
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import ROOT, SNIPPETS, close_pools
+from rankrun.runner import ROOT, SNIPPETS, close_pools
 
 
 def pytest_addoption(parser):
@@ -74,7 +74,7 @@ def pytest_configure(config):
     if not gate_is_on(config):
         return
     config.snippet_coverage_dir = tempfile.mkdtemp(prefix="snippet-coverage-")
-    # Rank processes inherit this and measure themselves (tests/rank_main.py).
+    # Rank processes inherit this and measure themselves (rankrun/rank_main.py).
     os.environ["SNIPPET_COVERAGE_DATA"] = os.path.join(config.snippet_coverage_dir, ".coverage")
 
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from processes import alive
-from runner import SnippetFailed, run_snippet
+from rankrun.processes import alive
+from rankrun.runner import SnippetFailed, run_snippet
 
 pytestmark = pytest.mark.slow  # checks of the runner, not of an example
 
-CASES = Path(__file__).parent / "runner_cases"
+CASES = Path(__file__).parent / "cases"
 
 
 def test_ranks_get_torchrun_environment_and_report_what_they_print():
@@ -57,3 +57,11 @@ def test_a_snippet_that_leaves_state_behind_does_not_change_the_next_one():
                  "SIGHUP blocked: False"]:
         assert after_polluter.output.count(line + "\n") == 2, line
     assert "still prints" not in after_polluter.output
+
+
+def test_a_failure_report_names_the_pages_that_show_the_snippet():
+    """Like Sybil pointing at the document: the second line of the report says where the
+    failing snippet is shown (this example fails on purpose)."""
+    result = run_snippet("snippets/zero3/soft_inputs_outside.py", world_size=2)
+    assert not result.ok
+    assert result.failure_report().splitlines()[1] == "shown on docs/zero3/outside-forward.md"

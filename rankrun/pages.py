@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from runner import ROOT, SNIPPETS
+from rankrun.runner import ROOT, SNIPPETS
 
 DOCS = ROOT / "docs"
 

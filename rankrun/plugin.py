@@ -1,0 +1,137 @@
+"""The pytest plugin of the harness (registered through the `pytest11` entry point in
+pyproject.toml, so every pytest run in the project has it, from any directory).
+
+- `expect_output(result, output_file)`: compare a run's transcript with an output file, or
+  rewrite it under `--update-outputs`; a mismatch names the pages that include the file.
+- `--order declared|reverse|random[:SEED]`: run the tests in another order, to show that runs
+  are independent.
+- One temporary directory per test session (TMPDIR), removed when the session ends; the
+  next session removes those of sessions that were killed.
+- The warm zygotes end with the session.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rankrun.pages import includes
+from rankrun.runner import ROOT, RunResult, close_zygotes
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-outputs",
+        action="store_true",
+        help="rewrite the output files (snippets/**/*.out) from this run instead of comparing",
+    )
+    parser.addoption(
+        "--order",
+        default="declared",
+        help="test order: declared, reverse, or random[:SEED] (proves runs are independent)",
+    )
+
+
+# Every temporary file of a test session (rank logs, coverage data, site builds, what the
+# snippets, torchrun and the notebook write to the temporary directory) goes into one
+# directory per session, removed when the session ends. A session that was killed outright
+# cannot clean up: the next session removes the directories of sessions that are gone.
+SESSION_TMP_PREFIX = "snippet-tests-"
+
+
+def remove_directories_of_ended_sessions(base: Path) -> None:
+    for directory in base.glob(f"{SESSION_TMP_PREFIX}*"):
+        pid = directory.name[len(SESSION_TMP_PREFIX):]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # pytest-xdist workers inherit TMPDIR
+        base = Path(tempfile.gettempdir())
+        remove_directories_of_ended_sessions(base)
+        config.session_tmp = base / f"{SESSION_TMP_PREFIX}{os.getpid()}"
+        config.session_tmp.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(config.session_tmp)
+        tempfile.tempdir = None  # tempfile caches the directory it found first
+    order = config.getoption("--order")
+    name, _, seed = order.partition(":")
+    if order not in ("declared", "reverse") and name != "random":
+        raise pytest.UsageError(f"--order takes declared, reverse or random[:SEED], not {order!r}")
+    if name == "random" and not seed:
+        # Chosen once: pytest-xdist workers start after this and inherit it, and must all
+        # collect the tests in the same order.
+        seed = os.environ.setdefault("TEST_ORDER_SEED", str(random.randrange(10**6)))
+    config.order_seed = int(seed) if name == "random" else None
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "session_tmp"):
+        close_zygotes()  # their logs are in it
+        shutil.rmtree(config.session_tmp, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--order") == "reverse":
+        items.reverse()
+    elif config.order_seed is not None:
+        random.Random(config.order_seed).shuffle(items)
+
+
+def pytest_report_header(config):
+    seed = config.order_seed
+    return f"test order: {config.getoption('--order')}" + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")
+
+
+def pages_including(output_file: Path) -> list[str]:
+    """The pages (docs/…) that include `output_file` with --8<--."""
+    shown = str(output_file.relative_to(ROOT))
+    return sorted({str(page) for page, path, _ in includes() if path == shown})
+
+
+def output_mismatch(name: str, output_file: Path, expected: str, actual: str) -> str:
+    """The report for a run that printed something else than its output file: where the file is
+    shown, the whole difference, and how to accept the new output."""
+    shown = output_file.relative_to(ROOT)
+    pages = pages_including(output_file)
+    diff = difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
+                                fromfile=f"{shown} (committed)", tofile=f"{shown} (this run)")
+    return (
+        f"{name} printed something else than {shown}, which "
+        + (f"is shown on {', '.join(pages)}" if pages else "no page includes")
+        + ".\n" + "".join(diff)
+        + "\nIf the new output is right (the example changed on purpose), regenerate the output files from "
+          "real runs and review the diff:\n    python3 tasks.py test --update-outputs && git diff snippets/"
+    )
+
+
+@pytest.fixture
+def expect_output(request):
+    """Compare a run's transcript with an output file, or rewrite it under --update-outputs."""
+    update = request.config.getoption("--update-outputs")
+
+    def check(result: RunResult, output_file: Path) -> None:
+        actual = result.transcript()
+        if update:
+            output_file.write_text(actual)
+            return
+        if not output_file.exists():
+            pytest.fail(
+                f"{output_file.relative_to(ROOT)} is missing; create it from a real run with "
+                f"`python3 tasks.py test --update-outputs`"
+            )
+        expected = output_file.read_text()
+        if actual != expected:
+            context = "" if result.ok else "\n" + result.failure_report()
+            pytest.fail(output_mismatch(result.name, output_file, expected, actual) + context, pytrace=False)
+
+    return check
