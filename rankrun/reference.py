@@ -1,6 +1,8 @@
 """The reference a ZeRO-3 example is compared with: the same model, seed, data and optimizer,
 trained in this one process without DeepSpeed."""
 
+import math
+
 import pytest
 import torch
 
@@ -51,3 +53,8 @@ def train_gpipe_in_one_process(example, model, weight):
         optimizer.zero_grad()
         losses.append(total / micro_batches)
     return losses, first_grad
+
+
+def gradient_norm(parameters):
+    """The L2 norm of the parameters' gradients together, in float64 (what clipping divides by)."""
+    return math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in parameters))

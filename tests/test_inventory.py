@@ -136,3 +136,26 @@ def test_the_device_check_finds_what_it_looks_for():
               'def main():\n    dist.init_process_group("gloo")\n    x = torch.zeros(1, device=torch.device("cpu"))\n')
     assert hard_coded_devices(source) == ["line 6: backend 'gloo' written out",
                                           "line 7: torch.device('cpu') written out"]
+
+
+def example_test_modules():
+    """The per-example test modules: tests/<folder>/test_*.py for every folder of snippets/."""
+    return sorted(path.relative_to(ROOT) for folder in SNIPPETS.iterdir() if (ROOT / "tests" / folder.name).is_dir()
+                  for path in (ROOT / "tests" / folder.name).glob("test_*.py"))
+
+
+@pytest.mark.parametrize("module", example_test_modules(), ids=str)
+def test_tests_mirror_the_snippets(module):
+    """tests/ mirrors snippets/ (as FastAPI's tests/test_tutorial/ mirrors docs_src/): a test module
+    in tests/<folder>/ is named after the snippet it tests (snippets/<folder>/<name>.py), or
+    after the page whose claims it checks (docs/**/<name>.md, dashes as underscores)."""
+    name = module.stem.removeprefix("test_")
+    snippet = SNIPPETS / module.parent.name / f"{name}.py"
+    pages = [page for page in DOCS.rglob("*.md") if page.stem.replace("-", "_") == name]
+    assert snippet.is_file() or pages, (
+        f"{module} is named after no snippet ({snippet.relative_to(ROOT)} does not exist) and no page in docs/")
+
+
+def test_the_mirror_check_sees_every_example_folder():
+    folders = {module.parent.name for module in example_test_modules()}
+    assert folders == {"zero3", "pipeline", "transformers"}

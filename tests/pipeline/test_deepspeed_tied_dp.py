@@ -1,5 +1,5 @@
-"""Pipeline x data parallel on 4 ranks (2 stages x 2 replicas): DeepSpeed's TiedLayerSpec and
-the hand-kept tie of torch.distributed.pipelining both equal one process on both replicas' data."""
+"""snippets/pipeline/deepspeed_tied_dp.py: TiedLayerSpec on 4 ranks (2 stages x 2 replicas) equals one
+process on both replicas' data."""
 
 import runpy
 
@@ -9,8 +9,8 @@ import torch
 from rankrun.pages import output_file
 from rankrun.runner import ROOT, run_snippet
 
+
 DEEPSPEED = "snippets/pipeline/deepspeed_tied_dp.py"
-TORCH = "snippets/pipeline/torch_tied_dp.py"
 
 
 def deepspeed_reference():
@@ -41,28 +41,6 @@ def deepspeed_reference():
     return losses, embedding.weight.detach().clone(), mixer1, mixer2
 
 
-def torch_reference():
-    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
-    torch.manual_seed(ex["SEED"])
-    model = ex["TiedLanguageModel"]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
-    micro_batches = []
-    for replica in range(2):
-        tokens, targets = ex["batch"](replica)
-        micro_batches += zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"]))
-    losses = []
-    for _ in range(ex["STEPS"]):
-        total = 0.0
-        for x, y in micro_batches:
-            loss = ex["cross_entropy"](model(x), y)
-            (loss / len(micro_batches)).backward()
-            total += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total / len(micro_batches))
-    return losses, model
-
-
 def test_deepspeed_tied_layers_with_data_parallelism_match_one_process(expect_output):
     result = run_snippet(DEEPSPEED, 4, call="main", timeout=300).check()
     ref_losses, ref_weight, mixer1, mixer2 = deepspeed_reference()
@@ -83,18 +61,3 @@ def test_deepspeed_tied_layers_with_data_parallelism_match_one_process(expect_ou
                                        getattr(mixer.linear, name).detach(), rtol=1e-5, atol=1e-6)
     print(f"{DEEPSPEED}: {result.seconds:.1f} s on 4 ranks")
     expect_output(result, output_file(DEEPSPEED))
-
-
-def test_pipelining_with_a_manual_tie_and_data_parallelism_matches_one_process(expect_output):
-    result = run_snippet(TORCH, 4, call="main", timeout=300).check()
-    ref_losses, model = torch_reference()
-    for rank in range(4):
-        got = result.returned(rank)
-        assert got["stage"] == rank // 2
-        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
-        torch.testing.assert_close(got["weight"], model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
-        for name, value in got["parameters"].items():
-            if name != "head.weight" or got["stage"] == 1:  # stage 0's head.weight is never used
-                torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=1e-5, atol=1e-6)
-    print(f"{TORCH}: {result.seconds:.1f} s on 4 ranks")
-    expect_output(result, output_file(TORCH))

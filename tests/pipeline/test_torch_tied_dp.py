@@ -1,0 +1,50 @@
+"""snippets/pipeline/torch_tied_dp.py: the hand-kept tie of torch.distributed.pipelining on 4 ranks
+(2 stages x 2 replicas) equals one process on both replicas' data."""
+
+import runpy
+
+import pytest
+import torch
+
+from rankrun.pages import output_file
+from rankrun.runner import ROOT, run_snippet
+
+
+TORCH = "snippets/pipeline/torch_tied_dp.py"
+
+
+def torch_reference():
+    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
+    torch.manual_seed(ex["SEED"])
+    model = ex["TiedLanguageModel"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
+    micro_batches = []
+    for replica in range(2):
+        tokens, targets = ex["batch"](replica)
+        micro_batches += zip(tokens.tensor_split(ex["MICRO_BATCHES"]), targets.tensor_split(ex["MICRO_BATCHES"]))
+    losses = []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for x, y in micro_batches:
+            loss = ex["cross_entropy"](model(x), y)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / len(micro_batches))
+    return losses, model
+
+
+def test_pipelining_with_a_manual_tie_and_data_parallelism_matches_one_process(expect_output):
+    result = run_snippet(TORCH, 4, call="main", timeout=300).check()
+    ref_losses, model = torch_reference()
+    for rank in range(4):
+        got = result.returned(rank)
+        assert got["stage"] == rank // 2
+        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        torch.testing.assert_close(got["weight"], model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
+        for name, value in got["parameters"].items():
+            if name != "head.weight" or got["stage"] == 1:  # stage 0's head.weight is never used
+                torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=1e-5, atol=1e-6)
+    print(f"{TORCH}: {result.seconds:.1f} s on 4 ranks")
+    expect_output(result, output_file(TORCH))

@@ -1,0 +1,36 @@
+"""snippets/zero3/soft_inputs_wrapper.py: the soft-input product in a wrapper's forward trains like plain PyTorch."""
+
+import runpy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rankrun.pages import output_file
+from rankrun.reference import assert_same_training, train_in_one_process
+from rankrun.runner import ROOT, run_snippet
+
+
+WRAPPER = "snippets/zero3/soft_inputs_wrapper.py"
+
+
+def train_wrapper_without_deepspeed():
+    example = runpy.run_path(str(ROOT / WRAPPER), run_name="reference")
+    torch.manual_seed(example["SEED"])
+    vocab = example["VOCAB"]
+    return train_in_one_process(
+        example["SoftInputs"](example["Seq2Seq"]()),
+        (example["make_batch"](step) for step in range(example["STEPS"])),
+        lambda logits, targets: F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1)),
+        example["LR"],
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_soft_inputs_in_a_wrapper_forward_match_plain_pytorch(world_size, expect_output):
+    reference = train_wrapper_without_deepspeed()
+    result = run_snippet(WRAPPER, world_size, call="main").check()
+    for rank in range(world_size):
+        assert_same_training(result.returned(rank), reference, f"rank {rank}")
+    if world_size == 2:
+        expect_output(result, output_file(WRAPPER))
