@@ -142,10 +142,10 @@ def test_the_pinned_row_equals_a_fresh_run(command):
 
 
 def test_each_page_names_the_releases_its_examples_ran_on():
-    """hooks/versions.py: a page that includes a matrix example lists every other release it ran on."""
+    """hooks/version_stamp.py: a page that includes a matrix example lists every other release it ran on."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("versions_hook", ROOT / "hooks" / "versions.py")
+    spec = importlib.util.spec_from_file_location("versions_hook", ROOT / "hooks" / "version_stamp.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     page = (ROOT / "docs" / "zero3" / "automatic-detection.md").read_text()
