@@ -159,3 +159,17 @@ def test_tests_mirror_the_snippets(module):
 def test_the_mirror_check_sees_every_example_folder():
     folders = {module.parent.name for module in example_test_modules()}
     assert folders == {"zero3", "pipeline", "transformers"}
+
+
+INTERNAL_NAME = re.compile(r"\bseeds?[ _-]?0\d\d\b|shared/seeds", re.IGNORECASE)
+
+
+def test_pages_and_snippets_cite_issues_by_their_public_names():
+    """Issue 11, item 8: the issues behind the site are DeepSpeed issue #876, #1047 and PyTorch
+    issue #51931 to a reader; the project's internal names ("seed 002") appear nowhere they read."""
+    readable = [*DOCS.rglob("*.md"), *DOCS.rglob("*.py"), *SNIPPETS.rglob("*.py"), *SNIPPETS.rglob("*.out"),
+                ROOT / "README.md"]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in readable
+             for n, line in enumerate(path.read_text().splitlines(), 1) if INTERNAL_NAME.search(line)]
+    assert found == []
+    assert INTERNAL_NAME.search("as seed 002 showed") and not INTERNAL_NAME.search("torch.manual_seed(0)")
