@@ -58,3 +58,27 @@ def train_gpipe_in_one_process(example, model, weight):
 def gradient_norm(parameters):
     """The L2 norm of the parameters' gradients together, in float64 (what clipping divides by)."""
     return math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in parameters))
+
+
+def layers_seeded_like_deepspeed(base_seed, builders):
+    """Build the layers as DeepSpeed's PipelineModule(seed_layers=True, base_seed=...) does:
+    layer i right after torch.manual_seed(base_seed + i). `builders` maps each layer index to
+    what builds it (a tied module is built at its first use); returns the built layers in order."""
+    layers = []
+    for index, build in builders.items():
+        torch.manual_seed(base_seed + index)
+        layers.append(build())
+    return layers
+
+
+def backward_over_micro_batches(micro_batches, loss_of):
+    """Gradient accumulation as a pipeline schedule does it, in one process: the backward of each
+    micro-batch's loss divided by their number. `loss_of(inputs, targets)` gives one loss;
+    returns the mean loss (what the pipeline reports for the step)."""
+    micro_batches = list(micro_batches)
+    total = 0.0
+    for inputs, targets in micro_batches:
+        loss = loss_of(inputs, targets)
+        (loss / len(micro_batches)).backward()
+        total += loss.item()
+    return total / len(micro_batches)

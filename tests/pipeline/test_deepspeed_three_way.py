@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
 
 
@@ -18,27 +19,20 @@ def deepspeed_reference():
     manual_seed(SEED + i); the tied module is built at its first use, layer 0), one embedding
     for the three uses, the same micro-batches and SGD."""
     ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
-    torch.manual_seed(ex["SEED"] + 0)
-    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
-    torch.manual_seed(ex["SEED"] + 1)
-    encoder = ex["Mixer"]()
-    torch.manual_seed(ex["SEED"] + 3)
-    decoder = ex["Mixer"]()
+    embedding, encoder, decoder = layers_seeded_like_deepspeed(ex["SEED"], {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 3: ex["Mixer"]})
     params = [*embedding.parameters(), *encoder.parameters(), *decoder.parameters()]
     optimizer = torch.optim.SGD(params, lr=ex["LR"])
     losses = []
     for _ in range(ex["STEPS"]):
-        total = 0.0
-        for inputs, targets in ex["micro_batches"]("cpu"):
+        def loss_of(inputs, targets):
             out = ex["embed_source"](embedding, inputs)
             out = ex["embed_target"](embedding, encoder(out))
-            out = ex["logits"](embedding, decoder(out))
-            loss = ex["cross_entropy"](out, targets)
-            (loss / ex["MICRO_BATCHES"]).backward()
-            total += loss.item()
+            return ex["cross_entropy"](ex["logits"](embedding, decoder(out)), targets)
+
+        losses.append(backward_over_micro_batches(ex["micro_batches"]("cpu"), loss_of))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total / ex["MICRO_BATCHES"])
     return losses, embedding.weight.detach().clone()
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/pipeline/deepspeed_tied.py"
@@ -18,25 +19,16 @@ def train_in_one_process():
     ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
     seed = ex["SEED"]
     # PipelineModule(seed_layers=True) builds layer i right after seeding with SEED + i.
-    torch.manual_seed(seed + 0)
-    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
-    torch.manual_seed(seed + 1)
-    mixer1 = ex["Mixer"]()
-    torch.manual_seed(seed + 2)
-    mixer2 = ex["Mixer"]()
+    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(seed, {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
     optimizer = torch.optim.SGD(params, lr=ex["LR"])
     losses = []
     for _ in range(ex["STEPS"]):
-        total = 0.0
-        for tokens, targets in ex["micro_batches"]():
-            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
-            loss = ex["cross_entropy"](logits, targets)
-            (loss / ex["MICRO_BATCHES"]).backward()
-            total += loss.item()
+        losses.append(backward_over_micro_batches(ex["micro_batches"](), lambda tokens, targets: ex["cross_entropy"](
+            ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens)))), targets)))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total / ex["MICRO_BATCHES"])
     return losses, embedding.weight.detach().clone()
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/pipeline/deepspeed_tied_checkpoint.py"
@@ -20,27 +21,18 @@ def train_in_one_process(fresh_optimizer_after=None):
     each step the mean over its micro-batches. With `fresh_optimizer_after=n`, Adam starts
     anew after n steps (what loading without the optimizer state does)."""
     ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
-    torch.manual_seed(ex["SEED"] + 0)
-    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
-    torch.manual_seed(ex["SEED"] + 1)
-    mixer1 = ex["Mixer"]()
-    torch.manual_seed(ex["SEED"] + 2)
-    mixer2 = ex["Mixer"]()
+    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
     optimizer = torch.optim.Adam(params, lr=ex["LR"])
     losses = []
     for step in range(ex["STEPS"]):
         if step == fresh_optimizer_after:
             optimizer = torch.optim.Adam(params, lr=ex["LR"])
-        total = 0.0
-        for tokens, targets in ex["micro_batches"](step):
-            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
-            loss = ex["cross_entropy"](logits, targets)
-            (loss / ex["MICRO_BATCHES"]).backward()
-            total += loss.item()
+        losses.append(backward_over_micro_batches(ex["micro_batches"](step), lambda tokens, targets: ex["cross_entropy"](
+            ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens)))), targets)))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total / ex["MICRO_BATCHES"])
     return losses, embedding.weight.detach().clone()
 
 

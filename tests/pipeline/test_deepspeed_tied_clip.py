@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import gradient_norm
+from rankrun.reference import backward_over_micro_batches, gradient_norm, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
 
 
@@ -20,23 +20,15 @@ def deepspeed_reference(rule):
     every parameter; rule "stage 0": the same scaling, by the norm of stage 0's parameters
     (embedding and first mixer) only. Returns losses, per-step norms (all, stage 0), weights."""
     ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
-    torch.manual_seed(ex["SEED"] + 0)
-    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
-    torch.manual_seed(ex["SEED"] + 1)
-    mixer1 = ex["Mixer"]()
-    torch.manual_seed(ex["SEED"] + 2)
-    mixer2 = ex["Mixer"]()
+    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
     stage0 = [*embedding.parameters(), *mixer1.parameters()]
     optimizer = torch.optim.SGD(params, lr=ex["LR"])
     losses, norms = [], []
     for _ in range(ex["STEPS"]):
-        total = 0.0
-        for tokens, targets in ex["micro_batches"]("cpu"):
-            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
-            loss = ex["cross_entropy"](logits, targets)
-            (loss / ex["MICRO_BATCHES"]).backward()
-            total += loss.item()
+        losses.append(backward_over_micro_batches(ex["micro_batches"]("cpu"), lambda tokens, targets: ex["cross_entropy"](
+            ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens)))), targets)))
         norms.append((gradient_norm(params), gradient_norm(stage0)))
         if rule == "torch":
             torch.nn.utils.clip_grad_norm_(params, ex["CLIP"])
@@ -46,7 +38,6 @@ def deepspeed_reference(rule):
                 p.grad.mul_(coefficient)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total / ex["MICRO_BATCHES"])
     weights = {"tied_modules.embed.weight": embedding.weight, "1.linear.weight": mixer1.linear.weight,
                "1.linear.bias": mixer1.linear.bias, "2.linear.weight": mixer2.linear.weight,
                "2.linear.bias": mixer2.linear.bias}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
 
 
@@ -18,26 +19,17 @@ def deepspeed_reference():
     them, one embedding as input layer and head, every step on both replicas' micro-batches
     (the loss of each divided by their number: the mean, as data parallelism averages)."""
     ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
-    torch.manual_seed(ex["SEED"] + 0)
-    embedding = torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
-    torch.manual_seed(ex["SEED"] + 1)
-    mixer1 = ex["Mixer"]()
-    torch.manual_seed(ex["SEED"] + 2)
-    mixer2 = ex["Mixer"]()
+    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
     optimizer = torch.optim.SGD(params, lr=ex["LR"])
     micro_batches = [mb for replica in range(2) for mb in ex["micro_batches"](replica, "cpu")]
     losses = []
     for _ in range(ex["STEPS"]):
-        total = 0.0
-        for tokens, targets in micro_batches:
-            logits = ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens))))
-            loss = ex["cross_entropy"](logits, targets)
-            (loss / len(micro_batches)).backward()
-            total += loss.item()
+        losses.append(backward_over_micro_batches(micro_batches, lambda tokens, targets: ex["cross_entropy"](
+            ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens)))), targets)))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(total / len(micro_batches))
     return losses, embedding.weight.detach().clone(), mixer1, mixer2
 
 
