@@ -70,26 +70,33 @@ def test_each_upstream_change_is_where_the_data_shows_a_change():
             assert item["change"] not in (matrix.GENERATED / "versions.md").read_text()
             continue
         ran = matrix.ran_releases(DATA, command)
-        firsts = [matrix.changed_in_group(versions, ran, DATA, command, PINNED) for versions, _ in by_command[command]]
-        assert item["release"] in firsts, f"the data shows no change in {item['example']} at {item['release']}"
+        followers = [matrix.release_after(versions, ran) for versions, _ in by_command[command]]
+        assert item["release"] in followers, f"the data shows no change in {item['example']} at {item['release']}"
+        assert f"Upstream: {item['change']}" in (matrix.GENERATED / "versions.md").read_text()
 
 
 def test_the_two_known_differences_are_in_the_data():
     """What the versions page shows (from the data): engine.module(...) without registration
-    fails on 0.16.4 and works on the pinned release; the registered ModuleZ3 weight is still
-    gathered after backward on 0.16.4 and released on the pinned release. (The releases in
-    between, where each changed, are in the list; until they have run, the page says
-    "changed between 0.16.4 and 0.19.8".)"""
+    fails on every release that ran before 0.16.5 and works from 0.16.5 on; the registered
+    ModuleZ3 weight is still gathered after backward on every release that ran before 0.19.3
+    and released from 0.19.3 on."""
     changes = matrix.summary(DATA, CONFIG)
+
+    def before(release, command):
+        return {v for v in matrix.ran_releases(DATA, command) if matrix.release_key(v) < matrix.release_key(release)}
+
+    detection = "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py"
     rows = [per_release for (command, _, there), per_release in changes.items()
-            if "automatic_detection" in command and "`engine.module(tokens)`" in there]
-    assert rows and all(set(row) == {"0.16.4"} for row in rows), rows
+            if command == detection and "`engine.module(tokens)`" in there]
+    assert rows and all(set(row) == before("0.16.5", detection) for row in rows), rows
+    assert {"0.16.4", "0.16.5"} <= set(matrix.ran_releases(DATA, detection))  # both sides of the change ran
     assert all("**fails** in step 0 (d) | works |" in line for row in rows for line in row.values())
-    command = "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py"
-    printed = "".join(DATA["releases"]["0.16.4"]["examples"][command]["printed"])
+    printed = "".join(DATA["releases"]["0.16.4"]["examples"][detection]["printed"])
     assert "- (d) `RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)`" in printed
-    z3 = [(there, per_release) for (command, _, there), per_release in changes.items() if "module_z3" in command]
-    assert z3 and all(set(per_release) == {"0.16.4"} for _, per_release in z3)
+    z3_command = "torchrun --nproc_per_node 2 snippets/zero3/module_z3.py"
+    z3 = [(there, per_release) for (command, _, there), per_release in changes.items() if command == z3_command]
+    assert z3 and all(set(per_release) == before("0.19.3", z3_command) for _, per_release in z3), z3
+    assert {"0.19.2", "0.19.3"} <= set(matrix.ran_releases(DATA, z3_command))
     assert any("after engine.backward" in there and "NOT_AVAILABLE" in there for there, _ in z3)
     assert all("AVAILABLE" in line for _, per_release in z3 for line in per_release.values())
 
@@ -99,8 +106,10 @@ def test_differences_and_spans():
     pinned = {"printed": ["a\n  x 1\nb\n  y 3\n"], "raised": []}
     assert matrix.differences(entry, pinned) == [("b", "y 2", "y 3")]
     ran = ["0.14.5", "0.15.4", "0.16.4", "0.16.5", "0.19.8"]
-    assert matrix.changed_in(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.16.5"
-    assert matrix.changed_in(["0.15.4"], ran) is None
+    assert matrix.release_after(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.16.5"
+    assert matrix.release_after(["0.15.4"], ran) == "0.16.4"
+    assert matrix.release_after(["0.14.5", "0.16.4"], ran) is None  # not a consecutive run
+    assert matrix.release_after(["0.19.8"], ran) is None  # nothing after it
     assert matrix.span(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.14.5 to 0.16.4"
 
 

@@ -303,6 +303,7 @@ def last_exception(stderr: str) -> str | None:
 OLDER_NOISE = re.compile(
     r"^(ninja: no work to do\.$|Time to load \S+ op: [\d.e+-]+ seconds$"
     r"|Parameter Offload: Total persistent parameters: \d+ in \d+ params$"
+    r"|Parameter Offload - Persistent parameters statistics: param_count = \d+, numel = \d+$"
     r"|Using \S+ as PyTorch extensions root\.\.\.$|Emitting ninja build file |Building extension module "
     r"|Loading extension module |Allowing ninja to set a default number of workers"
     r'|\s*"[^"]+": .*$|\s*[{}\]],?\s*$)'
@@ -545,16 +546,6 @@ def span(versions: list[str], all_versions: list[str]) -> str:
     return ", ".join(versions)
 
 
-def changed_in(versions: list[str], ran: list[str]) -> str | None:
-    """The first release (of those run) after the last one that differs, if all differing
-    releases come before every release that matches."""
-    last = max(ran.index(v) for v in versions)
-    if last + 1 < len(ran) and all(ran.index(v) <= last for v in versions) and \
-            set(ran[:last + 1]) == set(versions):
-        return ran[last + 1]
-    return None
-
-
 def example_name(command: str) -> str:
     return command.rsplit(" ", 1)[1]
 
@@ -608,13 +599,15 @@ def render_versions_page(data: dict, config: dict) -> str:
         out.append(f"`{command}`")
         out.append("")
         for versions, entry in groups:
-            first_same = changed_in_group(versions, ran, data, command, pinned)
-            when = f"; {when_changed(versions[-1], first_same)}" if first_same else ""
+            # The release after this run of releases prints something else: the pinned
+            # release's output, or another group's.
+            following = release_after(versions, ran)
+            when = f"; {when_changed(versions[-1], following)}" if following else ""
             out.append(f"- On {span(versions, ran)}{when}:")
             for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
                 out.append(f"    - {line}")
-            exact = first_same and when_changed(versions[-1], first_same).startswith("changed in")
-            item = upstream_for(config, command, first_same) if exact else None
+            exact = following and when_changed(versions[-1], following).startswith("changed in")
+            item = upstream_for(config, command, following) if exact else None
             if item:
                 out.append(f"    - Upstream: {item['change']}. {item['what']}")
         out.append("")
@@ -638,15 +631,12 @@ def grouped(data: dict, config: dict) -> dict[str, list[tuple[list[str], dict]]]
     return result
 
 
-def changed_in_group(versions: list[str], ran: list[str], data: dict, command: str, pinned: str) -> str | None:
-    """The release right after a consecutive run of releases, if that one prints what the pinned one does."""
+def release_after(versions: list[str], ran: list[str]) -> str | None:
+    """The release (of those run) right after `versions`, if they are a consecutive run of them."""
     indices = [ran.index(v) for v in versions]
     if indices != list(range(indices[0], indices[-1] + 1)) or indices[-1] + 1 >= len(ran):
         return None
-    following = ran[indices[-1] + 1]
-    same = transcript(data["releases"][following]["examples"][command]) == \
-        transcript(data["releases"][pinned]["examples"][command])
-    return following if same else None
+    return ran[indices[-1] + 1]
 
 
 def when_changed(last_different: str, first_same: str) -> str:
@@ -694,8 +684,8 @@ def render_example_note(data: dict, config: dict, path: str) -> str:
         ran = ran_releases(data, command)
         others.update(v for v in ran if v != pinned)
         for versions, entry in groups:
-            first_same = changed_in_group(versions, ran, data, command, pinned)
-            when = f" ({when_changed(versions[-1], first_same)})" if first_same else ""
+            following = release_after(versions, ran)
+            when = f" ({when_changed(versions[-1], following)})" if following else ""
             for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
                 lines.append(f"On {span(versions, ran)}{when}: {line}")
     head = (f'!!! note "Other DeepSpeed releases"\n    This example was also run on DeepSpeed '
@@ -711,6 +701,8 @@ GENERATED_FILES = {
     "automatic_detection.md": lambda data, config: render_example_note(
         data, config, "snippets/zero3/automatic_detection.py"),
     "module_z3.md": lambda data, config: render_example_note(data, config, "snippets/zero3/module_z3.py"),
+    "deepspeed_tied.md": lambda data, config: render_example_note(
+        data, config, "snippets/pipeline/deepspeed_tied.py"),
 }
 
 
