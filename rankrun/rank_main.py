@@ -340,6 +340,7 @@ def measured_run(measured, snippet: str, report_file: str, function: str = "") -
 def main() -> int:
     if sys.argv[1] == "--zygote":
         return zygote(int(sys.argv[2]))
+    die_with_parent()  # a fresh rank ends with the test process, even if that is killed outright
     become_subreaper()
     dump_stacks_on_request()
     snippet, report_file = sys.argv[1], sys.argv[2]

@@ -310,3 +310,21 @@ def test_a_hung_run_shows_where_each_rank_was(fresh):
     assert f'File "{snippet}", line 11 in <module>' in rank0, report
     assert rank1.splitlines()[1:] == [f'  File "{snippet}", line 10 in <module>'], report
     assert "rank_main.py" not in rank0 + rank1 and "<frozen runpy>" not in rank0 + rank1  # the runner's frames
+
+
+def test_fresh_ranks_die_when_the_test_process_is_killed_outright(tmp_path):
+    """With fresh=True the ranks are the test process's own children: they get SIGKILL when it
+    dies (PR_SET_PDEATHSIG). What they started is not covered (see docs/testing.md)."""
+    session, pids = start_interrupted_session(tmp_path, fresh=True)
+    ranks, children = pids[0::2], pids[1::2]
+    session.kill()
+    session.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(runner.process_exists(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(runner.process_exists(pid) for pid in ranks)  # (alive() would see their children)
+    for pid in children:  # cleaned up here, not by the runner
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
