@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import venv
 from pathlib import Path
 
@@ -206,6 +207,24 @@ def matrix(rest: list[str]) -> int:
     return version_matrix.main(rest)
 
 
+def build_deepspeed_op() -> None:
+    """Compile DeepSpeed's CPU communication op for this environment now, if it is not yet.
+
+    DeepSpeed compiles it on its first init: about a minute, several on a loaded machine. Left to
+    the tests, the first runs wait for it (torch's file lock) and time out (seen in CI while the
+    version matrix ran beside it); here it runs once, with no timeout, before pytest starts."""
+    directory = Path(environment()["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
+    if (directory / "deepspeed_shm_comm.so").exists():
+        return
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > 15 * 60:
+        lock.unlink()  # left by a build that was killed: torch would wait for it forever
+    print("tasks.py: compiling DeepSpeed's CPU communication op for this environment (once; a minute "
+          "or more)", flush=True)
+    if run_in_venv("-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()") != 0:
+        die("compiling DeepSpeed's CPU communication op failed (its output is above)")
+
+
 def run_in_venv(*args: str) -> int:
     return subprocess.run([str(PYTHON), *args], cwd=ROOT, env=environment()).returncode
 
@@ -238,6 +257,7 @@ def main(argv: list[str]) -> int:
         return run_in_venv("-m", "mkdocs", "serve", *rest)
     if command == "notebook":
         return subprocess.run(jupyter_lab_command(rest), cwd=ROOT, env=jupyter_environment()).returncode
+    build_deepspeed_op()
     return run_in_venv("-m", "pytest", *pytest_arguments(rest))
 
 

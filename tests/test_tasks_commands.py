@@ -186,3 +186,24 @@ def test_the_coverage_gate_is_on_for_the_whole_suite_from_any_directory(where, a
     config = gate_config(where, args, source, **options)
     assert coverage_gate.gate_is_on(config) is on
     assert coverage_gate.why_gate(config)[1]  # the report header says why
+
+
+def test_the_deepspeed_op_is_compiled_before_the_tests_only_when_missing(tmp_path, monkeypatch):
+    """`tasks.py test` compiles DeepSpeed's CPU op itself when this environment lacks it (so no
+    test's timeout pays the compile), removes a lock a killed build left, and does nothing when
+    the op is there."""
+    tasks = load_tasks()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(tasks, "run_in_venv", lambda *args: calls.append(args) or 0)
+    op = tmp_path / "deepspeed_shm_comm"
+    op.mkdir()
+    stale = op / "lock"
+    stale.write_text("")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    tasks.build_deepspeed_op()
+    assert calls == [("-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()")]
+    assert not stale.exists()
+    (op / "deepspeed_shm_comm.so").write_bytes(b"")
+    tasks.build_deepspeed_op()
+    assert len(calls) == 1  # already compiled: nothing to do
