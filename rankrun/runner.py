@@ -551,7 +551,7 @@ class RankPool:
     next run gets new ones, so nothing a snippet did to its process can reach another
     snippet. Each run gets a new MASTER_PORT, so the snippet's own init_distributed /
     init_process_group builds a new process group. The runner keeps one spare pool per world
-    size, forked after a run while the test goes on, so a run rarely waits for a fork.
+    size, forked while the previous run works, so a run rarely waits for a fork.
     """
 
     def __init__(self, world_size: int, startup_timeout: float = 180.0):
