@@ -9,8 +9,6 @@ import signal
 import tempfile
 from pathlib import Path
 
-import pytest
-
 
 def pytest_configure(config):  # after rankrun.plugin's (tryfirst): the session's TMPDIR is set
     if not hasattr(config, "workerinput"):

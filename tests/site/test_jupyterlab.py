@@ -22,7 +22,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import jupytext
 import pytest
