@@ -47,3 +47,10 @@ def documented_world_size(snippet: Path) -> int:
             f"'DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 {snippet}'"
         )
     return commands[0][0]
+
+
+def pages_including(path: str | Path) -> list[str]:
+    """The pages (docs/...) that include the file at `path` (relative to the project, or
+    absolute under it) with --8<--, whole or a section of it."""
+    shown = str(Path(path).relative_to(ROOT)) if Path(path).is_absolute() else str(path)
+    return sorted({str(page) for page, included, _ in includes() if included == shown})

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rankrun.pages import includes
+from rankrun.pages import pages_including
 from rankrun.runner import ROOT, RunResult, close_zygotes
 
 
@@ -90,12 +90,6 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     seed = config.order_seed
     return f"test order: {config.getoption('--order')}" + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")
-
-
-def pages_including(output_file: Path) -> list[str]:
-    """The pages (docs/…) that include `output_file` with --8<--."""
-    shown = str(output_file.relative_to(ROOT))
-    return sorted({str(page) for page, path, _ in includes() if path == shown})
 
 
 def output_mismatch(name: str, output_file: Path, expected: str, actual: str) -> str:

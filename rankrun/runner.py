@@ -217,9 +217,9 @@ class RunResult:
 
     def pages(self) -> list[str]:
         """The pages (docs/...) that include this snippet with --8<--, whole or a section of it."""
-        from rankrun.pages import includes
+        from rankrun.pages import pages_including  # (rankrun.pages imports this module)
 
-        return sorted({str(page) for page, path, _ in includes() if path == self.name})
+        return pages_including(self.name)
 
     def check(self) -> RunResult:
         if not self.ok:
