@@ -253,9 +253,15 @@ def _kill_group(process: subprocess.Popen) -> None:
 STACK_DUMP_WAIT = 2.0
 
 
-def ask_for_stacks(pids: dict[int, int], stderr_of, wait: float = STACK_DUMP_WAIT) -> None:
+def ask_for_stacks(pids: dict[int, int], work: Path, wait: float = STACK_DUMP_WAIT) -> None:
     """Ask the still-running ranks (rank -> pid) for their stacks (SIGUSR1: faulthandler, see
-    rank_main.dump_stacks_on_request) and wait until each has written one, or `wait` seconds."""
+    rank_main.dump_stacks_on_request) and wait until each has written one to its stderr file
+    in `work`, or `wait` seconds."""
+
+    def stderr_of(rank: int) -> str:
+        path = work / f"rank{rank}.stderr"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     for pid in pids.values():
         try:
             os.kill(pid, signal.SIGUSR1)
@@ -376,8 +382,7 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                 lambda rank: processes[rank].poll(), world_size, started + timeout, grace)
         finally:
             still_running = {r for r, process in enumerate(processes) if process.poll() is None}
-            ask_for_stacks({r: processes[r].pid for r in still_running},
-                           lambda r: (work / f"rank{r}.stderr").read_text(errors="replace"))
+            ask_for_stacks({r: processes[r].pid for r in still_running}, work)
             for process in processes:
                 _kill_group(process)
         codes = [process.returncode for process in processes]
@@ -674,9 +679,7 @@ class RankPool:
                 _, failed_first, failed_at, timed_out = _wait_for_ranks(poll, self.world_size, started + timeout, grace)
             finally:
                 still_running = {r for r in range(self.world_size) if codes[r] is None}
-                ask_for_stacks({r: self.workers[r].pid for r in still_running},
-                               lambda r: (work / f"rank{r}.stderr").read_text(errors="replace")
-                               if (work / f"rank{r}.stderr").exists() else "")
+                ask_for_stacks({r: self.workers[r].pid for r in still_running}, work)
                 self.close()
             for rank in still_running:
                 codes[rank] = self.workers[rank].returncode
