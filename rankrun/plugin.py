@@ -3,10 +3,13 @@ pyproject.toml, so every pytest run in the project has it, from any directory).
 
 - `expect_output(result, output_file)`: compare a run's transcript with an output file, or
   rewrite it under `--update-outputs`; a mismatch names the pages that include the file.
+- `--changed`: only the tests the working tree's change can affect (rankrun.changed).
 - `--order declared|reverse|random[:SEED]`: run the tests in another order, to show that runs
   are independent.
 - One temporary directory per test session (TMPDIR), removed when the session ends; the
   next session removes those of sessions that were killed.
+- One run per distinct example run in the session (rankrun.run_cache, in that directory), and
+  a summary line of the runs made.
 - The warm zygotes end with the session.
 """
 
@@ -22,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rankrun import changed, run_cache
 from rankrun.pages import pages_including
 from rankrun.runner import ROOT, RunResult, close_zygotes
 
@@ -32,6 +36,13 @@ def pytest_addoption(parser):
         action="store_true",
         help="rewrite the output files (snippets/**/*.out) from this run instead of comparing",
     )
+    parser.addoption(
+        "--changed",
+        action="store_true",
+        help="run only the tests that the change in the working tree (against HEAD) can affect "
+             "(rankrun.changed); CI runs everything",
+    )
+    parser.addoption("--changed-base", default="HEAD", help="with --changed: compare with this revision")
     parser.addoption(
         "--order",
         default="declared",
@@ -62,6 +73,8 @@ def pytest_configure(config):
         config.session_tmp.mkdir(exist_ok=True)
         os.environ["TMPDIR"] = str(config.session_tmp)
         tempfile.tempdir = None  # tempfile caches the directory it found first
+        # One run per distinct example run, shared by the tests and the xdist workers.
+        os.environ[run_cache.ENVIRONMENT_VARIABLE] = str(config.session_tmp / "runs")
     order = config.getoption("--order")
     name, _, seed = order.partition(":")
     if order not in ("declared", "reverse") and name != "random":
@@ -73,6 +86,13 @@ def pytest_configure(config):
     config.order_seed = int(seed) if name == "random" else None
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "session_tmp"):
+        line = run_cache.summary(config.session_tmp / "runs")
+        if line:
+            terminalreporter.write_line(line)
+
+
 def pytest_unconfigure(config):
     if hasattr(config, "session_tmp"):
         close_zygotes()  # their logs are in it
@@ -81,15 +101,32 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--changed"):
+        select_what_the_change_affects(config, items)
     if config.getoption("--order") == "reverse":
         items.reverse()
     elif config.order_seed is not None:
         random.Random(config.order_seed).shuffle(items)
 
 
+def select_what_the_change_affects(config, items) -> None:
+    files = changed.changed_files(ROOT, config.getoption("--changed-base"))
+    what = changed.affected(files, pages_including)
+    keep = [item for item in items if what.selects(item.nodeid)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+    config.changed_files = files
+
+
 def pytest_report_header(config):
     seed = config.order_seed
-    return f"test order: {config.getoption('--order')}" + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")
+    lines = [f"test order: {config.getoption('--order')}"
+             + (f" (seed {seed}; repeat with --order random:{seed})" if seed is not None else "")]
+    if config.getoption("--changed"):
+        files = changed.changed_files(ROOT, config.getoption("--changed-base"))
+        lines.append(f"--changed: {len(files)} changed files: " + (", ".join(files[:8]) or "none")
+                     + (" ..." if len(files) > 8 else ""))
+    return lines
 
 
 def output_mismatch(name: str, output_file: Path, expected: str, actual: str) -> str:

@@ -3,8 +3,10 @@
     python rankrun/rank_main.py SNIPPET REPORT_FILE [FUNCTION]   # run one snippet, exit
     python rankrun/rank_main.py --zygote CONTROL_FD              # forks warm workers
 
-One-shot: runs SNIPPET as `__main__` (exactly as `python SNIPPET` would), or,
-with FUNCTION, loads it as a module and calls that function with no arguments.
+One-shot: runs SNIPPET as `__main__` (exactly as `python SNIPPET` would). With
+FUNCTION, keeps what that function returned: when the file's main block is just
+`FUNCTION()`, it still runs as `__main__` (rankrun.entry), so the run is the same
+as without FUNCTION; otherwise it loads the file as a module and calls FUNCTION.
 Writes a pickled report (exception details, the function's return value) to
 REPORT_FILE and exits 0 on success, 1 when the snippet raised.
 
@@ -26,7 +28,10 @@ import random
 import runpy
 import sys
 import traceback
+import types
 import warnings
+
+from rankrun.entry import RETURNED, main_code_keeping
 
 
 def describe(error: BaseException) -> dict:
@@ -48,7 +53,10 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
     exit_code = 0
     rank_pid = os.getpid()
     try:
-        if function:
+        as_main = main_code_keeping(snippet, function) if function else None
+        if as_main is not None:
+            report["returned"] = run_as_main(as_main, snippet)
+        elif function:
             namespace = runpy.run_path(snippet, run_name="__snippet__")
             report["returned"] = namespace[function]()
         else:
@@ -79,6 +87,21 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
         with open(report_file, "wb") as handle:
             handle.write(payload)
     return exit_code
+
+
+def run_as_main(code, snippet: str):
+    """Run `code` (the snippet, see rankrun.entry) as the `__main__` module, as runpy.run_path
+    does, and return what its main block's call returned."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=snippet, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+    return module.__dict__.get(RETURNED)
 
 
 PROJECT = os.getcwd()  # the runner starts every rank and the zygote in the project's root

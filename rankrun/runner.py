@@ -47,6 +47,9 @@ from typing import Any
 
 import psutil
 
+from rankrun import run_cache
+from rankrun.entry import guarded_function
+
 def find_project_root(start: Path) -> Path:
     """The docs project the snippets belong to: the nearest directory at or above `start` that
     holds mkdocs.yml (or `start` itself if none does)."""
@@ -752,14 +755,31 @@ def run_snippet(
 ) -> RunResult:
     """Run `snippet` on `world_size` local ranks; see the module docstring.
 
-    call: the name of a function in the snippet to call instead of running it as
-    `__main__`; its return value (picklable) comes back in `RankResult.returned`.
+    call: the name of a function in the snippet whose return value (picklable) comes back in
+    `RankResult.returned`. When the file's main block is just `call()` (the convention for
+    examples), the file still runs as `__main__`: a run with call="main" and one without are
+    the same run, and both return what main() returned.
     fresh: start new processes for this run instead of using the warm pool.
     env: extra environment variables for the ranks.
+
+    In a test session, an example under snippets/ runs once per distinct (snippet, world size,
+    entry point, env, fresh): later calls get the same RunResult (rankrun.run_cache).
     """
     path = resolve_snippet(snippet)
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    call = call or guarded_function(path)
+    shown = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    return run_cache.get_or_run(
+        run_cache.run_key(shown, world_size, call, env, fresh),
+        lambda: _run_now(path, world_size, call, timeout, grace, env, fresh),
+        timeout, cacheable=path.is_relative_to(SNIPPETS),
+        timed_out=lambda result: result.timed_out,
+        rank_seconds=lambda result: result.seconds * result.world_size,
+    )
+
+
+def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool) -> RunResult:
     entry_point = (path, call)
     if _coverage_wanted(path) and entry_point not in _measured_entry_points:
         env = {**(env or {}), "SNIPPET_COVERAGE_THIS_RUN": "1"}

@@ -17,7 +17,9 @@ taken over one compared quantity (a tensor, or a list of step losses). Scaling b
 value, not each element's own, is what a reordered sum allows: its error is relative to the
 terms summed, so a gradient entry near zero may carry the error of the large entries beside it.
 A reference that is exactly zero is matched exactly (an unused parameter's gradient is zero in
-any order of summation).
+any order of summation). Where the compared value is itself a sum that cancels (the sum of a
+weight's entries, say), pass `scale=` the magnitude of its terms (the sum of their absolute
+values): that is what the rounding of the sum is relative to.
 
 64 float32 units (a relative error of 7.6e-6) leave a wide margin above what reordering does in
 these examples (the deviations measured on every PyTorch CPU kernel set are on the testing page)
@@ -46,10 +48,11 @@ def eps(dtype: torch.dtype = torch.float32) -> float:
     return torch.finfo(dtype).eps
 
 
-def allowed_difference(want, dtype: torch.dtype = torch.float32, ulps: float | None = None) -> float:
+def allowed_difference(want, dtype: torch.dtype = torch.float32, ulps: float | None = None,
+                       scale: float | None = None) -> float:
     """The largest |got - want| the policy accepts for the quantity `want`."""
     count = ULPS[dtype] if ulps is None else ulps
-    return count * eps(dtype) * _magnitude(want)
+    return count * eps(dtype) * (_magnitude(want) if scale is None else scale)
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -81,16 +84,16 @@ def _leaves(got, want, label: str):
         yield label, got, want
 
 
-def deviation(got, want, dtype: torch.dtype = torch.float32) -> float:
-    """max |got - want| in units of eps(dtype) * max|want|, the largest over every quantity
-    compared (inf where shapes differ, or where want is zero and got is not)."""
+def deviation(got, want, dtype: torch.dtype = torch.float32, scale: float | None = None) -> float:
+    """max |got - want| in units of eps(dtype) * max|want| (or eps * scale), the largest over
+    every quantity compared (inf where shapes differ, or where want is zero and got is not)."""
     worst = 0.0
     for _, g, w in _leaves(got, want, ""):
-        worst = max(worst, _quantity_deviation(g, w, dtype))
+        worst = max(worst, _quantity_deviation(g, w, dtype, scale))
     return worst
 
 
-def _quantity_deviation(got, want, dtype) -> float:
+def _quantity_deviation(got, want, dtype, scale=None) -> float:
     g, w = _as_tensor(got), _as_tensor(want)
     if g.shape != w.shape:
         return math.inf
@@ -99,33 +102,35 @@ def _quantity_deviation(got, want, dtype) -> float:
     difference = (g - w).abs().max().item()
     if math.isnan(difference):
         return math.inf
-    unit = eps(dtype) * _magnitude(w)
+    unit = eps(dtype) * (_magnitude(w) if scale is None else scale)
     if unit == 0.0:
         return 0.0 if difference == 0.0 else math.inf
     return difference / unit
 
 
-def matches(got, want, dtype: torch.dtype = torch.float32, ulps: float | None = None) -> bool:
+def matches(got, want, dtype: torch.dtype = torch.float32, ulps: float | None = None,
+            scale: float | None = None) -> bool:
     """Whether every quantity in `got` agrees with `want` under the policy (shapes and keys too)."""
     try:
-        return deviation(got, want, dtype) <= (ULPS[dtype] if ulps is None else ulps)
+        return deviation(got, want, dtype, scale) <= (ULPS[dtype] if ulps is None else ulps)
     except AssertionError:
         return False
 
 
-def assert_matches(got, want, label: str = "", dtype: torch.dtype = torch.float32, ulps: float | None = None) -> None:
+def assert_matches(got, want, label: str = "", dtype: torch.dtype = torch.float32, ulps: float | None = None,
+                   scale: float | None = None) -> None:
     """Assert that `got` agrees with `want` under the policy. `got` and `want`: tensors, numbers,
     lists of numbers, or dicts and lists of those. The message names the quantity, the deviation
     and the allowed one."""
     allowed = ULPS[dtype] if ulps is None else ulps
     for name, g, w in _leaves(got, want, label):
-        found = _quantity_deviation(g, w, dtype)
+        found = _quantity_deviation(g, w, dtype, scale)
         _record(name, found, dtype)
         if found > allowed:
             g_t, w_t = _as_tensor(g), _as_tensor(w)
             detail = (f"shape {tuple(g_t.shape)} != {tuple(w_t.shape)}" if g_t.shape != w_t.shape
                       else f"max |got - want| = {(g_t - w_t).abs().max().item():.3g}, "
-                           f"allowed {allowed_difference(w, dtype, allowed):.3g}")
+                           f"allowed {allowed_difference(w, dtype, allowed, scale):.3g}")
             raise AssertionError(
                 f"{name or 'value'}: differs by {found:.3g} units of {dtype} eps x max|want| "
                 f"(allowed {allowed:g}); {detail}\n  got:  {_short(g)}\n  want: {_short(w)}"

@@ -16,6 +16,8 @@ def pytest_configure(config):  # after rankrun.plugin's (tryfirst): the session'
         # workers (tests/test_site.py, strict_build).
         config.site_build_dir = tempfile.mkdtemp(prefix="site-build-")
         os.environ["SITE_BUILD_DIR"] = config.site_build_dir
+        if config.getoption("--changed") and not os.environ.get("CI"):
+            os.environ["SITE_BUILD_NOTEBOOKS"] = "auto"  # reuse the notebook's cached run if valid
 
 
 def pytest_unconfigure(config):

@@ -52,10 +52,12 @@ def record_strict_build(base: Path) -> None:
     # Served at the root of a local server by the browser tests, whatever SITE_URL the
     # environment has; an EDIT_URI as the GitHub Pages workflow sets it, so edit links exist.
     # NOTEBOOKS_EXECUTE=always: the notebook runs for real, whatever .cache/ holds (and the
-    # run refreshes the cache, so `tasks.py serve` starts warm after the suite).
+    # run refreshes the cache, so `tasks.py serve` starts warm after the suite). Under
+    # --changed (SITE_BUILD_NOTEBOOKS=auto, tests/conftest.py) a cached run whose inputs are
+    # unchanged is reused, as `serve` does.
     done = build(ROOT, base / "site", SITE_URL="http://127.0.0.1:8000/",
                  EDIT_URI="https://github.com/example/shared-params-docs/edit/main/docs/",
-                 NOTEBOOKS_EXECUTE="always")
+                 NOTEBOOKS_EXECUTE=os.environ.get("SITE_BUILD_NOTEBOOKS", "always"))
     (base / "build.json").write_text(json.dumps(
         {"args": done.args, "returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}))
 

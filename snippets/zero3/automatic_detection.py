@@ -257,15 +257,23 @@ def train_plain(model_class, kwargs):
     return {"losses": losses, "grads": grads}
 
 
-LOSS_ATOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
+# Equal means equal up to float32 rounding: a distributed run sums in another order, so
+# allow 64 float32 epsilons of the largest value compared (a relative 7.6e-6).
+ULPS = 64
+
+
+def close(got, want):
+    got, want = torch.as_tensor(got).double(), torch.as_tensor(want).double()
+    limit = ULPS * torch.finfo(torch.float32).eps * want.abs().max()
+    return got.shape == want.shape and bool((got - want).abs().max() <= limit)
 
 
 def verdict(got, plain, errors):
     """works / silently wrong / fails, compared with plain PyTorch in every step."""
     if "error" in got:
         return f"**fails** {got['where']} ({errors[got['error']]})"
-    same = all(abs(a - b) <= LOSS_ATOL for a, b in zip(got["losses"], plain["losses"])) and all(
-        g.keys() == p.keys() and all(torch.allclose(g[n], p[n], GRAD_RTOL, GRAD_ATOL) for n in p)
+    same = close(got["losses"], plain["losses"]) and all(
+        g.keys() == p.keys() and all(close(g[n], p[n]) for n in p)
         for g, p in zip(got["grads"], plain["grads"]))
     return "works" if same else "**silently wrong**"
 
@@ -282,8 +290,8 @@ def print_tables(results):
     def registered(keys):  # one verdict for the row's three cells when they agree
         return " / ".join(dict.fromkeys(cell(key, True) for key in keys))
 
-    print(f"*works*: in each of the {STEPS} steps, the loss is within {LOSS_ATOL:g} of plain PyTorch's "
-          f"and every full gradient passes `torch.allclose(rtol={GRAD_RTOL:g}, atol={GRAD_ATOL:g})`; "
+    print(f"*works*: in each of the {STEPS} steps, the loss and every full gradient equal plain "
+          f"PyTorch's within {ULPS} float32 epsilons of the largest value compared; "
           "*silently wrong*: no error, but the results differ; *fails*: the run raised the error "
           "listed under the tables.")
     print()

@@ -4,12 +4,12 @@ stage 0's gradients only."""
 
 import runpy
 
-import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import backward_over_micro_batches, gradient_norm, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import assert_matches, matches
 
 
 DEEPSPEED = "snippets/pipeline/deepspeed_tied_clip.py"
@@ -45,7 +45,7 @@ def deepspeed_reference(rule):
 
 
 def same_parameters(got, reference):
-    return all(torch.allclose(value, reference[name], rtol=1e-5, atol=1e-6) for name, value in got.items())
+    return all(matches(value, reference[name]) for name, value in got.items())
 
 
 def test_deepspeed_clips_by_the_norm_of_stage_0_only(expect_output):
@@ -58,17 +58,17 @@ def test_deepspeed_clips_by_the_norm_of_stage_0_only(expect_output):
         assert all(n["deepspeed"] > 0.1 for n in got["norms"])
         # What the snippet measured before clipping, at the first step (same weights in every run):
         # the whole model's norm is clip_grad_norm_'s in one process; DeepSpeed's is stage 0's.
-        assert got["norms"][0]["whole model"] == pytest.approx(torch_norms[0][0], rel=1e-5)
-        assert got["norms"][0]["deepspeed"] == pytest.approx(torch_norms[0][1], rel=1e-5)
+        assert_matches(got["norms"][0]["whole model"], torch_norms[0][0], "norms 0 whole model")
+        assert_matches(got["norms"][0]["deepspeed"], torch_norms[0][1], "norms 0 deepspeed")
         for step, n in enumerate(got["norms"]):
-            assert n["deepspeed"] == pytest.approx(n["stage 0 only"], rel=1e-6)
-            assert n["deepspeed"] == pytest.approx(stage0_norms[step][1], rel=1e-5)
+            assert_matches(n["deepspeed"], n["stage 0 only"], "n deepspeed")
+            assert_matches(n["deepspeed"], stage0_norms[step][1], "n deepspeed")
             assert n["deepspeed"] < n["whole model"] * 0.9
         # Training: DeepSpeed equals the one-process model clipped by stage 0's norm, not the
         # one clipped by clip_grad_norm_.
-        assert got["losses"] == pytest.approx(ds_losses, abs=1e-6)
+        assert_matches(got["losses"], ds_losses, "losses")
         assert same_parameters(got["parameters"], stage0_weights)
         assert not same_parameters(got["parameters"], torch_weights)
-        assert got["losses"][-1] != pytest.approx(torch_losses[-1], abs=1e-3)
+        assert not matches(got["losses"][-1], torch_losses[-1])
     print(f"{DEEPSPEED}: {result.seconds:.1f} s on 2 ranks")
     expect_output(result, output_file(DEEPSPEED))

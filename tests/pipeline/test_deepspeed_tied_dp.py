@@ -3,12 +3,12 @@ process on both replicas' data."""
 
 import runpy
 
-import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import assert_matches
 
 
 DEEPSPEED = "snippets/pipeline/deepspeed_tied_dp.py"
@@ -42,14 +42,14 @@ def test_deepspeed_tied_layers_with_data_parallelism_match_one_process(expect_ou
     for rank in range(4):
         got = result.returned(rank)
         assert (got["stage"], got["replica"], got["tie_ranks"], got["dp_group"]) == layout[rank]
-        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        assert_matches(got["losses"], ref_losses, "losses")
         # All four copies are equal after every step, and equal the one-process weight.
         assert got["differences"] == [0.0] * len(ref_losses)
-        torch.testing.assert_close(got["weight"], ref_weight, rtol=1e-5, atol=1e-6)
+        assert_matches(got["weight"], ref_weight)
         mixer = mixer1 if got["stage"] == 0 else mixer2
         layer = "1" if got["stage"] == 0 else "2"
         for name in ("weight", "bias"):
-            torch.testing.assert_close(got["parameters"][f"{layer}.linear.{name}"],
-                                       getattr(mixer.linear, name).detach(), rtol=1e-5, atol=1e-6)
+            assert_matches(got["parameters"][f"{layer}.linear.{name}"], getattr(mixer.linear, name).detach(),
+                           f"stage {got['stage']} {name}")
     print(f"{DEEPSPEED}: {result.seconds:.1f} s on 4 ranks")
     expect_output(result, output_file(DEEPSPEED))

@@ -2,12 +2,12 @@
 
 import runpy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/pipeline/fsdp_tied.py"
 MESSAGE = ("Parameter 'head.weight' is shared with a parameter already managed by another FSDP group. "
@@ -35,8 +35,8 @@ def test_tie_in_one_fsdp_group_matches_one_process():
     ref_losses, ref_weight = train_in_one_process()
     for rank in range(2):
         losses, weight = result.returned(rank)
-        assert losses == pytest.approx(ref_losses, abs=1e-6)
-        torch.testing.assert_close(weight, ref_weight, rtol=1e-5, atol=1e-6)
+        assert_matches(losses, ref_losses, "losses")
+        assert_matches(weight, ref_weight)
 
 
 def test_tie_split_over_two_fsdp_groups_raises(expect_output):

@@ -4,12 +4,12 @@ to one process."""
 
 import runpy
 
-import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import train_gpipe_in_one_process
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import assert_matches, matches
 
 
 TORCH = "snippets/pipeline/torch_three_way.py"
@@ -31,13 +31,13 @@ def test_pipelining_three_way_tie_sums_three_shares(expect_output):
         # pipelining names one copy per stage: three tensors for one weight.
         assert got["uses"] == {"submod_pp_0": "encoder_embed.weight", "submod_pp_1": "decoder_embed.weight",
                                "submod_pp_2": "head.weight"}
-        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        assert_matches(got["losses"], ref_losses, "losses")
         # The tied gradient is the sum of all three shares; no share and no pair of shares is.
         shares = got["first_shares"]
-        torch.testing.assert_close(sum(shares), ref_first_grad, rtol=1e-5, atol=1e-6)
+        assert_matches(sum(shares), ref_first_grad)
         for partial in (*shares, shares[0] + shares[1], shares[1] + shares[2], shares[0] + shares[2]):
-            assert not torch.allclose(partial, ref_first_grad, atol=1e-3)
+            assert not matches(partial, ref_first_grad)
         assert all(torch.equal(copy, got["copies"][0]) for copy in got["copies"])
-        torch.testing.assert_close(got["weight"], model.encoder_embed.weight.detach(), rtol=1e-5, atol=1e-6)
+        assert_matches(got["weight"], model.encoder_embed.weight.detach())
     print(f"{TORCH}: {result.seconds:.1f} s on 3 ranks")
     expect_output(result, output_file(TORCH))

@@ -3,11 +3,11 @@
 
 import runpy
 
-import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import assert_matches
 
 
 TORCH = "snippets/pipeline/torch_tied_dp.py"
@@ -41,10 +41,10 @@ def test_pipelining_with_a_manual_tie_and_data_parallelism_matches_one_process(e
     for rank in range(4):
         got = result.returned(rank)
         assert got["stage"] == rank // 2
-        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
-        torch.testing.assert_close(got["weight"], model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
+        assert_matches(got["losses"], ref_losses, "losses")
+        assert_matches(got["weight"], model.embed.weight.detach())
         for name, value in got["parameters"].items():
             if name != "head.weight" or got["stage"] == 1:  # stage 0's head.weight is never used
-                torch.testing.assert_close(value, model.get_parameter(name).detach(), rtol=1e-5, atol=1e-6)
+                assert_matches(value, model.get_parameter(name).detach())
     print(f"{TORCH}: {result.seconds:.1f} s on 4 ranks")
     expect_output(result, output_file(TORCH))

@@ -3,11 +3,11 @@ head are one tensor there, trained without any all_reduce, equal to one process.
 
 import runpy
 
-import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/pipeline/torch_tied_v.py"
 
@@ -45,8 +45,8 @@ def test_v_schedule_keeps_the_tie_as_one_tensor_and_matches_one_process(expect_o
     # rank 1 holds none of it.
     assert rank0["bytes"] == [[512, 1], [576, 4]]
     for got in (rank0, rank1):
-        assert got["losses"] == pytest.approx(ref_losses, abs=1e-6)
+        assert_matches(got["losses"], ref_losses, "losses")
         for name, value in got["parameters"].items():
-            torch.testing.assert_close(value, ref_parameters[name], rtol=1e-5, atol=1e-6)
+            assert_matches(value, ref_parameters[name])
     print(f"{SNIPPET}: {result.seconds:.1f} s on 2 ranks")
     expect_output(result, output_file(SNIPPET))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from rankrun.pages import output_file
 from rankrun.runner import ROOT, run_snippet
+from rankrun.tolerance import matches
 
 SNIPPET = "snippets/zero3/automatic_detection.py"
 PAGE = ROOT / "docs/zero3/automatic-detection.md"
@@ -79,13 +80,13 @@ def plain_pytorch(example, model_class, kwargs):
 
 
 def same_run(got, want):
-    if "error" in got or got["losses"] != pytest.approx(want["losses"], abs=1e-6):
+    if "error" in got or not matches(got["losses"], want["losses"]):
         return False
     for got_step, want_step in zip(got["grads"], want["grads"], strict=True):
         if got_step.keys() != want_step.keys():
             return False
         for name, grad in want_step.items():
-            if not torch.allclose(got_step[name], grad, rtol=1e-5, atol=1e-6):
+            if not matches(got_step[name], grad):
                 return False
     return True
 
