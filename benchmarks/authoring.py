@@ -25,7 +25,6 @@ import argparse
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 from tasks import environment, pytest_arguments
+from rankrun.project import free_port
 
 PYTHON = sys.executable
 PAGE = Path("docs") / "zero3" / "troubleshooting.md"
@@ -55,12 +55,6 @@ def timed(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, fl
     cpu, started = children_cpu(), time.perf_counter()
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     return time.perf_counter() - started, children_cpu() - cpu, done
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fetch(url: str) -> str:

@@ -1,5 +1,5 @@
 """Benchmark: starting warm rank processes with the standard library's forkserver against the
-harness's zygote (rankrun/rank_main.py). Issue 16 asked which is faster; the figures decide.
+harness's zygote (rankrun/rank_main.py): which is faster; the figures decide.
 
     .venv/bin/python benchmarks/forkserver_vs_zygote.py [--runs 10]
 

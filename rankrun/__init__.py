@@ -6,6 +6,14 @@
 See rankrun/runner.py for the API and README.md ("The harness") for what it guarantees.
 """
 
-from rankrun.runner import RankResult, RunResult, SnippetFailed, run_snippet
-
 __all__ = ["RankResult", "RunResult", "SnippetFailed", "run_snippet"]
+
+
+def __getattr__(name):
+    # Imported on first use, so that `rankrun.project` (standard library only) can be read by
+    # tasks.py before anything is installed.
+    if name in __all__:
+        from rankrun import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'rankrun' has no attribute {name!r}")

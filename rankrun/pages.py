@@ -5,13 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rankrun.runner import ROOT, SNIPPETS
-
-DOCS = ROOT / "docs"
-
-# The command a snippet documents in its docstring, e.g.
-#   DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py
-TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
+from rankrun.project import DOCS, ROOT, SNIPPETS, TORCHRUN
 
 
 INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')

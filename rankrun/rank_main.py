@@ -183,15 +183,26 @@ WARM_IMPORTS = [
 FILTERS_OF_A_FRESH_PROCESS = None
 
 
+def warm_imports() -> list[str]:
+    """WARM_IMPORTS, or the modules named in RANKRUN_WARM_IMPORTS (comma-separated): the
+    harness's own tests start whole test sessions whose cases need torch only, and importing
+    Transformers and DeepSpeed there would be most of their time."""
+    chosen = os.environ.get("RANKRUN_WARM_IMPORTS")
+    return [name.strip() for name in chosen.split(",") if name.strip()] if chosen else WARM_IMPORTS
+
+
 def warm_up() -> None:
     global FILTERS_OF_A_FRESH_PROCESS
     import importlib
 
-    import deepspeed  # noqa: F401
+    modules = warm_imports()
     import torch  # noqa: F401
 
+    if "deepspeed" in modules:
+        import deepspeed  # noqa: F401
+    # What `python snippet.py` has after its first imports (see FILTERS_OF_A_FRESH_PROCESS).
     FILTERS_OF_A_FRESH_PROCESS = list(warnings.filters)
-    for name in WARM_IMPORTS:
+    for name in modules:
         importlib.import_module(name)
     settle_heap()
 

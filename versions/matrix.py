@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ import time
 import tomllib
 import venv
 from pathlib import Path
+
+from rankrun.project import free_port, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "versions" / "releases.toml"
@@ -199,12 +200,7 @@ def normalized(name: str) -> str:
 
 def pinned_versions() -> dict[str, str]:
     """constraints.txt as {normalized name: version}."""
-    pins = {}
-    for line in CONSTRAINTS.read_text().splitlines():
-        name, sep, wanted = line.split("#")[0].strip().partition("==")
-        if sep:
-            pins[normalized(name)] = wanted.strip()
-    return pins
+    return {normalized(name): wanted for name, wanted in pins(CONSTRAINTS).items()}
 
 
 def installed_versions(env: Path) -> dict[str, str]:
@@ -264,12 +260,6 @@ def ensure_env(version: str, config: dict) -> tuple[Path, bool]:
 
 
 # --- runs -----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def run_environment(env: Path, extra: dict[str, str]) -> dict[str, str]:
     environment = {key: value for key, value in os.environ.items()

@@ -49,7 +49,7 @@ def test_a_snippet_that_leaves_state_behind_does_not_change_the_next_one():
     assert not {r.pid for r in in_fresh_processes.ranks} & {r.pid for r in polluter.ranks}
     after_polluter = run_snippet(CASES / "probe_state.py", world_size=2).check()
     assert after_polluter.output == in_fresh_processes.output
-    # Issue 17, item 5: what a reused worker used to pass on (each line as a fresh process has it).
+    # What a reused worker used to pass on (each line as a fresh process has it).
     for line in ["sys.stdout is the real one: True", "relu of 1: 1.0", "print precision: 4",
                  "matmul precision: highest", "umask: 0o22", "recursion limit: 1000",
                  "deepspeed logger level: 0 root logger level: 30", "global forward hooks: 0",

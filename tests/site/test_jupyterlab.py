@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -27,18 +26,13 @@ import jupytext
 import pytest
 
 from rankrun.runner import ROOT
+from rankrun.project import free_port
 
 spec = importlib.util.spec_from_file_location("tasks", ROOT / "tasks.py")
 tasks = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tasks)
 
 pytestmark = pytest.mark.slow  # JupyterLab and Chromium
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

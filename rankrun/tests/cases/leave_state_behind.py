@@ -32,7 +32,7 @@ torch.manual_seed(1234)
 random.seed(1234)
 warnings.simplefilter("ignore")
 print("left state behind", flush=True)
-# Issue 17, item 5: what a worker that runs the next snippet would still carry.
+# What a worker that runs the next snippet would still carry.
 torch.nn.functional.relu = lambda x, inplace=False: x * 0  # a monkeypatch
 torch.set_printoptions(precision=1)
 torch.set_float32_matmul_precision("medium")

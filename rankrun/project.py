@@ -1,0 +1,50 @@
+"""Where the project is, and the few facts about it that the harness, the hooks, the tests and
+the version matrix share. Standard library only: `tasks.py` reads it before anything is
+installed, and the rank processes import it first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+
+def find_project_root(start: Path) -> Path:
+    """The docs project the snippets belong to: the nearest directory at or above `start` that
+    holds mkdocs.yml (or `start` itself if none does)."""
+    for directory in (start, *start.parents):
+        if (directory / "mkdocs.yml").is_file():
+            return directory
+    return start
+
+
+# Set RANKRUN_PROJECT to choose the project; by default it is found from the working directory,
+# so pytest run from any directory of the project finds the same one.
+ROOT = Path(os.environ.get("RANKRUN_PROJECT") or find_project_root(Path.cwd().resolve())).resolve()
+SNIPPETS = ROOT / "snippets"
+DOCS = ROOT / "docs"
+CONSTRAINTS = ROOT / "constraints.txt"
+
+# The command a snippet documents in its docstring, and pages show, e.g.
+#   DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py
+TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pins(constraints: Path = CONSTRAINTS) -> dict[str, str]:
+    """The `name==version` lines of a constraints file, as {name as written: version}."""
+    found = {}
+    for line in constraints.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, _, version = line.partition("==")
+            found[name.strip()] = version.strip().split(";", 1)[0].strip()
+    return found
