@@ -11,16 +11,12 @@ section says about stdout and stderr.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from rankrun.pages import output_file
-from rankrun.runner import DEEPSPEED_NOISE, ROOT, free_port, printed_by_the_example
+from rankrun.runner import DEEPSPEED_NOISE, check_torchrun, printed_by_the_example, run_torchrun
 from test_prose_literals import FENCE, included_files, normalise, page_lines, page_name, page_outputs, pages, snippet_notation
 
 # The runner's transcript (rankrun/runner.py RunResult.transcript) is what an output file holds:
@@ -98,18 +94,10 @@ ALL_GATHER_WARNING = "FutureWarning: `torch.distributed.all_gather_into_tensor` 
 REDUCE_SCATTER_WARNING = "FutureWarning: `torch.distributed.reduce_scatter_tensor` is deprecated"
 
 
-def torchrun(snippet: str) -> subprocess.CompletedProcess:
-    """The command the page shows, run for real as a reader would (no OMP_NUM_THREADS of ours)."""
-    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()))
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", snippet]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.slow  # torchrun and two new interpreters, for what the reader sees on stderr
 def test_torchrun_shows_what_the_block_leaves_out():
     """What docs/testing.md#output-blocks says about a real torchrun run of a failing example."""
-    done = torchrun(FAILING_EXAMPLE)
+    done = run_torchrun(FAILING_EXAMPLE)
     block = output_file(FAILING_EXAMPLE).read_text()
     added = RUNNER_LINE_FULL.findall(block)
     assert done.returncode != 0 and added, (done.returncode, block)
@@ -131,8 +119,7 @@ def test_torchrun_shows_what_the_block_leaves_out():
 def test_torchrun_warnings_of_a_training_example():
     """A ZeRO-3 example that trains: its block is its stdout without DeepSpeed's log lines; stderr
     repeats torch's deprecation warnings for the collectives DeepSpeed calls."""
-    done = torchrun(TRAINING_EXAMPLE)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = check_torchrun(run_torchrun(TRAINING_EXAMPLE))
     assert printed_by_the_example(done.stdout) == output_file(TRAINING_EXAMPLE).read_text()
     assert any(DEEPSPEED_NOISE.match(line) for line in done.stdout.splitlines()), done.stdout
     assert "Setting OMP_NUM_THREADS environment variable for each process" in done.stderr

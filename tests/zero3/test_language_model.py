@@ -1,10 +1,6 @@
 """LanguageModel under ZeRO-3 equals the same model trained without DeepSpeed."""
 
-import os
 import runpy
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +8,7 @@ import torch.nn.functional as F
 
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, train_in_one_process
-from rankrun.runner import ROOT, free_port, printed_by_the_example, run_snippet
+from rankrun.runner import ROOT, check_torchrun, printed_by_the_example, run_snippet, run_torchrun
 
 SNIPPET = "snippets/zero3/language_model.py"
 
@@ -48,9 +44,5 @@ def test_documented_torchrun_command_prints_the_output_file():
     """The command on the page, run for real: torchrun, 2 CPU processes."""
     command = ["torchrun", "--nproc_per_node", "2", SNIPPET]
     assert " ".join(command) in (ROOT / "docs/zero3/external-parameters.md").read_text()
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PET_MASTER_PORT": str(free_port())}
-    # torchrun is installed next to the interpreter running the tests.
-    command[0] = str(Path(sys.executable).parent / "torchrun")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = check_torchrun(run_torchrun(SNIPPET))
     assert printed_by_the_example(done.stdout) == output_file(SNIPPET).read_text()
