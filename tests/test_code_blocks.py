@@ -18,7 +18,12 @@ BACKWARD = re.compile(r"\b(?:engine|loss|model)\w*\.backward\(")
 STEP = re.compile(r"\.step\(")
 
 # (page, block title, first line of the block) -> why that block backpropagates without stepping.
-WITHOUT_STEP: dict[tuple[str, str, str], str] = {}
+WITHOUT_STEP: dict[tuple[str, str, str], str] = {
+    ("docs/zero3/outside-forward.md", "snippets/zero3/gathered_in_loss.py",
+     "def backward_inside_the_block(engine, sampled_input, targets):"):
+        "a loss function that also backpropagates, in place of compute_loss + engine.backward; "
+        "the page says the training loop steps after it",
+}
 
 
 def problems_of(page_text: str, page: str = "page") -> list[str]:

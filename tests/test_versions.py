@@ -67,12 +67,12 @@ def test_each_upstream_change_is_where_the_data_shows_a_change():
     for item in CONFIG["upstream"]:
         command = next(c for c in matrix.commands(CONFIG) if matrix.example_name(c) == item["example"])
         if not both_sides_ran(item["release"], command):
-            assert item["change"] not in (matrix.GENERATED / "versions.md").read_text()
+            assert matrix.linked(item["change"]) not in (matrix.GENERATED / "versions.md").read_text()
             continue
         ran = matrix.ran_releases(DATA, command)
         followers = [matrix.release_after(versions, ran) for versions, _ in by_command[command]]
         assert item["release"] in followers, f"the data shows no change in {item['example']} at {item['release']}"
-        assert f"Upstream: {item['change']}" in (matrix.GENERATED / "versions.md").read_text()
+        assert f"Upstream: {matrix.linked(item['change'])}" in (matrix.GENERATED / "versions.md").read_text()
 
 
 def test_the_two_known_differences_are_in_the_data():
