@@ -30,7 +30,8 @@ def set_full_weight(param, value):
     with deepspeed.zero.GatheredParameters(param, modifier_rank=0):
         with torch.no_grad():
             param.copy_(value)  # the model's copy: the next forward computes with it
-    deepspeed.utils.safe_set_full_fp32_param(param, value)  # the optimizer's copy: engine.step() keeps it
+    # The optimizer's copy: engine.step() keeps it.
+    deepspeed.utils.safe_set_full_fp32_param(param, value)
 # --8<-- [end:surgery]
 
 
