@@ -18,6 +18,13 @@ from mkdocs.structure.files import File
 
 DATA = "snippets/zero3/sharing_cost.tsv"
 IMAGE = "zero3/sharing-cost.svg"
+# The same plot for phones: one column, larger text, so that its smallest text is at least
+# 12 CSS px high when a 390 px wide screen shows it (the page picks it with <picture>).
+IMAGE_NARROW = "zero3/sharing-cost-narrow.svg"
+LAYOUTS = {  # image: (rows, columns, figure size in inches, font size in points)
+    IMAGE: (3, 2, (9, 8.5), 11),
+    IMAGE_NARROW: (6, 1, (4.2, 15), 13),
+}
 MIB = 2**20
 PANELS = [  # variant in the data, title of its panel
     ("registered", "registered (or detected), default settings"),
@@ -37,14 +44,16 @@ def read(path):
     return timeline
 
 
-def draw(timeline, image_format="svg"):
+def draw(timeline, image_format="svg", layout=IMAGE):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 11, "svg.hashsalt": "sharing-cost", "svg.fonttype": "none"})
-    fig, axes = plt.subplots(3, 2, figsize=(9, 8.5), sharey=True, constrained_layout=True)
+    rows, columns, size, points = LAYOUTS[layout]
+    plt.rcParams.update({"font.size": points, "svg.hashsalt": "sharing-cost", "svg.fonttype": "none"})
+    fig, axes = plt.subplots(rows, columns, figsize=size, sharey=True, constrained_layout=True,
+                             squeeze=False)
     for ax, (variant, title) in zip(axes.flat, PANELS):
         rows = timeline[variant]
         x = range(len(rows))
@@ -59,7 +68,7 @@ def draw(timeline, image_format="svg"):
             if r["moment"] == "model.backward start":
                 ax.axvspan(i - 0.5, next(j for j in range(i, len(rows)) if rows[j]["moment"] == "engine.backward returned") + 0.5,
                            color="#eeeeee", zorder=0)
-        ax.set_title(title, loc="left", fontsize=11)
+        ax.set_title(title, loc="left", fontsize=points)
         ax.set_xlim(-0.5, len(rows) - 0.5)
         ax.set_xticks([boundary / 2, (boundary + len(rows)) / 2], ["step 0", "step 1"])
         ax.tick_params(axis="x", length=0)
@@ -71,26 +80,27 @@ def draw(timeline, image_format="svg"):
     import matplotlib.patches as patches
 
     handles.append(patches.Patch(color="#eeeeee", label="backward"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncol=3 if columns > 1 else 2, frameon=False)
     image = io.StringIO() if image_format == "svg" else io.BytesIO()
     fig.savefig(image, format=image_format, metadata={"Date": None} if image_format == "svg" else None, dpi=80)
     plt.close(fig)
     return image.getvalue()
 
 
-def cached_image(root):
+def cached_image(root, layout=IMAGE):
     """The SVG for the data under `root`, from .cache/sharing-cost/ when it is there."""
     from importlib.metadata import version
 
     key = hashlib.sha256()
     for part in ((root / DATA).read_bytes(), Path(__file__).read_bytes(), version("matplotlib").encode()):
         key.update(hashlib.sha256(part).digest())
-    cached = root / ".cache" / "sharing-cost" / f"{key.hexdigest()}.svg"
+    name = Path(layout).stem
+    cached = root / ".cache" / "sharing-cost" / f"{name}-{key.hexdigest()}.svg"
     if cached.exists():
         return cached.read_text()
-    image = draw(read(root / DATA))
+    image = draw(read(root / DATA)) if layout == IMAGE else draw(read(root / DATA), layout=layout)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    for stale in cached.parent.glob("*.svg"):
+    for stale in cached.parent.glob(f"{name}-*.svg"):
         stale.unlink()
     partial = cached.with_suffix(".partial")
     partial.write_text(image)
@@ -101,4 +111,5 @@ def cached_image(root):
 def on_files(files, config):
     root = Path(config.config_file_path).parent
     files.append(File.generated(config, IMAGE, content=cached_image(root)))
+    files.append(File.generated(config, IMAGE_NARROW, content=cached_image(root, IMAGE_NARROW)))
     return files

@@ -48,3 +48,63 @@ def pages_including(path: str | Path) -> list[str]:
     absolute under it) with --8<--, whole or a section of it."""
     shown = str(Path(path).relative_to(ROOT)) if Path(path).is_absolute() else str(path)
     return sorted({str(page) for page, included, _ in includes() if included == shown})
+
+
+# --- the pages as the build reads them ------------------------------------------------------
+
+def markdown_settings() -> tuple[list[str], dict[str, dict]]:
+    """mkdocs.yml's `markdown_extensions` as MkDocs loads them: (names, settings per name),
+    MkDocs' own defaults (toc, tables, fenced_code) first; the snippet base path made absolute."""
+    from mkdocs.utils.yaml import yaml_load
+
+    config = yaml_load((ROOT / "mkdocs.yml").read_text())
+    names, settings = ["toc", "tables", "fenced_code"], {}
+    for item in config.get("markdown_extensions", []):
+        name, options = next(iter(item.items())) if isinstance(item, dict) else (item, None)
+        if name not in names:
+            names.append(name)
+        settings[name] = dict(options or {})
+    snippets = settings.setdefault("pymdownx.snippets", {})
+    snippets["base_path"] = [str(ROOT / path) for path in snippets.get("base_path", ["."])]
+    return names, settings
+
+
+def markdown_converter():
+    """A Markdown converter with the build's extensions and settings."""
+    import markdown
+
+    names, settings = markdown_settings()
+    return markdown.Markdown(extensions=names, extension_configs=settings)
+
+
+def expanded(text: str) -> str:
+    """A page's Markdown with every `--8<--` include replaced by what it includes, by
+    pymdownx.snippets itself with the build's settings (sections, dedenting, markers)."""
+    converter = markdown_converter()
+    return "\n".join(converter.preprocessors["snippet"].run(text.split("\n")))
+
+
+def rendered(text: str) -> str:
+    """A page's Markdown as HTML, with the build's extensions (without MkDocs' hooks and theme)."""
+    return markdown_converter().convert(text)
+
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$",
+                   re.MULTILINE | re.DOTALL)
+
+
+def code_blocks(markdown_text: str, language: str = "python") -> list[tuple[int, str, str]]:
+    """(line number, title, code) of every fenced block in `language`, the code dedented."""
+    import textwrap
+
+    found = []
+    for match in FENCE.finditer(markdown_text):
+        info = match.group("info").strip()
+        if info.split(" ", 1)[0] not in (language, f"{{.{language}"):
+            continue
+        title = re.search(r'title="([^"]*)"', info)
+        body = "".join(line[len(match.group("indent")):] if line.startswith(match.group("indent")) else line
+                       for line in match.group("body").splitlines(keepends=True))
+        found.append((markdown_text.count("\n", 0, match.start()) + 1, title.group(1) if title else "",
+                      textwrap.dedent(body)))
+    return found

@@ -216,6 +216,19 @@ def test_missing_snippet_file_fails_the_build(project_copy_without_notebook_runs
 
 
 @pytest.mark.slow  # a second build, of a broken copy
+def test_a_link_to_a_missing_heading_fails_the_build(project_copy_without_notebook_runs, tmp_path):
+    """`--strict` alone lets `page.md#no-such-heading` through; `validation: anchors: warn`
+    in mkdocs.yml makes it a warning, which --strict turns into a failed build."""
+    page = project_copy_without_notebook_runs / "docs" / "zero3" / "sharing-cost.md"
+    text = page.read_text()
+    assert "automatic-detection.md#the-tables)" in text
+    page.write_text(text.replace("automatic-detection.md#the-tables)", "automatic-detection.md#the-table)", 1))
+    result = build(project_copy_without_notebook_runs, tmp_path / "site")
+    assert result.returncode != 0
+    assert "#the-table" in result.stderr and "anchor" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow  # a second build, of a broken copy
 def test_failing_notebook_cell_fails_the_build(project_copy, tmp_path):
     notebook = project_copy / NOTEBOOK
     text = notebook.read_text()

@@ -67,12 +67,12 @@ def test_each_upstream_change_is_where_the_data_shows_a_change():
     for item in CONFIG["upstream"]:
         command = next(c for c in matrix.commands(CONFIG) if matrix.example_name(c) == item["example"])
         if not both_sides_ran(item["release"], command):
-            assert item["change"] not in (matrix.GENERATED / "versions.md").read_text()
+            assert matrix.linked(item["change"]) not in (matrix.GENERATED / "versions.md").read_text()
             continue
         ran = matrix.ran_releases(DATA, command)
         followers = [matrix.release_after(versions, ran) for versions, _ in by_command[command]]
         assert item["release"] in followers, f"the data shows no change in {item['example']} at {item['release']}"
-        assert f"Upstream: {item['change']}" in (matrix.GENERATED / "versions.md").read_text()
+        assert f"Upstream: {matrix.linked(item['change'])}" in (matrix.GENERATED / "versions.md").read_text()
 
 
 def test_the_two_known_differences_are_in_the_data():
@@ -174,3 +174,132 @@ def test_each_page_names_the_releases_its_examples_ran_on():
         every.update(matrix.ran_releases(DATA, command))
     versions_page = (ROOT / "docs" / "versions.md").read_text()
     assert hook.releases_checked(versions_page, DATA, CONFIG) == sorted(every - {PINNED}, key=matrix.release_key)
+
+
+# --- the generated notes, read as a browser gets them ---------------------------------------
+
+from html.parser import HTMLParser  # noqa: E402
+
+from rankrun.pages import pages_including, rendered  # noqa: E402
+
+# What the notes and the versions page are made of; any other tag is a message's text that
+# became HTML (an error's `<rank>` read as a tag).
+NOTE_TAGS = {"div", "p", "ul", "li", "code", "a", "strong", "table", "thead", "tbody", "tr", "th", "td"}
+# Markdown a reader should never see outside code: emphasis marks, backticks, table pipes, links.
+STRAY_MARKDOWN = re.compile(r"\*|`|\||\]\(|\\")
+
+
+class Reading(HTMLParser):
+    """The tags of an HTML fragment, its text outside <code>, and the text of each <code>."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags, self.outside, self.codes, self._depth = set(), [], [], 0
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        if tag == "code":
+            self._depth += 1
+            self.codes.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "code":
+            self._depth -= 1
+
+    def handle_data(self, data):
+        if self._depth:
+            self.codes[-1] += data
+        else:
+            self.outside.append(data)
+
+
+def read_html(html: str) -> Reading:
+    reading = Reading()
+    reading.feed(html)
+    return reading
+
+
+def html_problems(html: str, name: str) -> list[str]:
+    reading = read_html(html)
+    problems = [f"{name}: a tag <{tag}> that no note makes (text read as HTML?)"
+                for tag in sorted(reading.tags - NOTE_TAGS)]
+    for text in reading.outside:
+        for match in STRAY_MARKDOWN.finditer(text):
+            around = text[max(0, match.start() - 40):match.end() + 40]
+            problems.append(f"{name}: Markdown shown as text: {match.group(0)!r} in {around!r}")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(matrix.render(DATA, CONFIG)))
+def test_a_generated_file_renders_without_raw_tags_or_stray_markdown(name):
+    html = rendered((matrix.GENERATED / name).read_text())
+    assert html_problems(html, name) == []
+
+
+def test_every_message_is_shown_whole_in_code_and_references_are_links():
+    html = rendered((matrix.GENERATED / "gathered_parameters.md").read_text())
+    codes = read_html(html).codes
+    # The error of 0.18.9 to 0.19.2 names `modifier_rank=<rank>`, with backticks of its own.
+    assert any(code.startswith("RuntimeError: Cannot free a ZeRO-3 parameter") and
+               "use `modifier_rank=<rank>` to broadcast" in code for code in codes), codes
+    versions_page = rendered((matrix.GENERATED / "versions.md").read_text())
+    for item in CONFIG["upstream"]:
+        repo, number = re.match(r"([\w.-]+/[\w.-]+)#(\d+)", item["change"]).groups()
+        if item["change"] in (matrix.GENERATED / "versions.md").read_text():
+            assert f'<a href="https://github.com/{repo}/issues/{number}">{repo}#{number}</a>' in versions_page
+
+
+def test_the_renderer_escapes_what_a_message_may_hold():
+    """A made-up release whose run raises a message with every character Markdown or HTML
+    would read (backticks, `<tag>`, `*`, `|`, `_`, a backslash) and prints a changed table row."""
+    nasty = "RuntimeError: use `x=<rank>` | *not* __bold__ \\ [a](b) ``two``"
+    pinned = {"printed": ["intro\n\n| Pattern | result |\n| --- | --- |\n| `a.b` | works |\n\n- (a) `E: one`\n"],
+              "raised": [], "ok": True}
+    other = {"printed": ["intro\n\n| Pattern | result |\n| --- | --- |\n| `a.b` | **fails** in step 0 (a) |\n\n"
+                         "- (a) `E: one`\n"], "raised": [nasty], "ok": False}
+    lines = matrix.describe_difference(other, pinned, "9.9.9")
+    html = rendered("".join(f"- {line}\n" for line in lines))
+    assert html_problems(html, "made-up note") == []
+    codes = read_html(html).codes
+    assert nasty in codes and "E: one" in codes and "a.b" in codes, codes
+    assert "column \u201cresult\u201d: fails in step 0 with" in " ".join(read_html(html).outside)
+
+
+def test_the_site_shows_the_notes_without_raw_tags_or_stray_markdown():
+    """The pages as the strict build made them: each generated note on each page that
+    includes it, read from the built HTML."""
+    from test_site import strict_build
+
+    result, site = strict_build()
+    assert result.returncode == 0, result.stderr
+    checked = 0
+    for name in matrix.render(DATA, CONFIG):
+        for page in pages_including(f"snippets/versions/{name}"):
+            html = (site / page.removeprefix("docs/").removesuffix(".md") / "index.html").read_text()
+            if name == "versions.md":
+                part = html.split('id="what-changes-between-releases"', 1)[1].split("<h2", 1)[0]
+                part = part.split("</h2>", 1)[1]
+            else:
+                notes = re.findall(r'<div class="admonition note">\s*<p class="admonition-title">Other DeepSpeed'
+                                   r' releases</p>.*?</div>', html, re.S)
+                assert notes, f"{page} shows no note 'Other DeepSpeed releases'"
+                part = "".join(notes)
+            assert html_problems(part, f"{page} ({name})") == []
+            checked += 1
+    assert checked >= 6
+
+
+def test_every_page_showing_an_example_that_differs_between_releases_includes_its_note():
+    """An example whose run on some release differs from the pinned one (versions/matrix.json)
+    has a generated note; every page that shows the example (a section of it or its output)
+    includes that note."""
+    differing = matrix.examples_with_differences(DATA, CONFIG)
+    assert {"snippets/zero3/gathered_parameters.py", "snippets/zero3/change_after_initialize.py",
+            "snippets/zero3/module_z3.py"} <= set(differing)
+    missing = []
+    for path in differing:
+        note = f"snippets/versions/{matrix.note_name(path)}"
+        showing = set(pages_including(path)) | set(pages_including(path.removesuffix(".py") + ".out"))
+        assert showing, f"no page shows {path}"
+        missing += [f"{page} shows {path} but not {note}" for page in sorted(showing - set(pages_including(note)))]
+    assert not missing, "\n".join(missing)

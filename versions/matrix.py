@@ -579,28 +579,18 @@ def render_versions_page(data: dict, config: dict) -> str:
     if not any(groups for groups in by_command.values()):
         out.append(f"Every release that runs prints the same as {pinned} in every example of the matrix.")
         return "\n".join(out) + "\n"
-    out.append(f"What differs from {pinned}, example by example. An example not listed printed the same "
-               f"on every release that runs; so did every line not listed.")
+    out.append(f"What differs from {pinned}: one line per change, with the releases it holds for "
+               f"(and when it changed, where both sides ran), the example, and what its run printed "
+               f"or raised there. An example not listed printed the same on every release that runs; "
+               f"so did every line not listed.")
     out.append("")
     for command, groups in by_command.items():
         if not groups:
             continue
-        ran = ran_releases(data, command)
-        out.append(f"`{command}`")
-        out.append("")
-        for versions, entry in groups:
-            # The release after this run of releases prints something else: the pinned
-            # release's output, or another group's.
-            following = release_after(versions, ran)
-            when = f"; {when_changed(versions[-1], following)}" if following else ""
-            out.append(f"- On {span(versions, ran)}{when}:")
-            for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
-                out.append(f"    - {line}")
-            exact = following and when_changed(versions[-1], following).startswith("changed in")
-            item = upstream_for(config, command, following) if exact else None
-            if item:
-                out.append(f"    - Upstream: {item['change']}. {item['what']}")
-        out.append("")
+        for change in changes_of(data, config, command):
+            out.append(f"- {change_line(change, example_name(command))}")
+            if change["upstream"]:
+                out.append(f"    {linked(change['upstream']['what'])}")
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -637,48 +627,212 @@ def when_changed(last_different: str, first_same: str) -> str:
     return f"changed between {last_different} and {first_same}"
 
 
+# --- Markdown for the pages: every message in code, every other character escaped -----------
+
+def code(text: str) -> str:
+    """`text` as one inline code span whatever it holds (backticks, `<rank>`, `|`, `*`):
+    the fence is one backtick longer than the longest run inside, padded when needed.
+    Runs of spaces are shown as one (the browser would collapse them anyway)."""
+    text = " ".join(text.split())
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if longest or text.startswith("\\") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def plain(text: str) -> str:
+    """`text` as literal text in Markdown: no emphasis, code, link, table cell or HTML tag."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return re.sub(r"([\\`*_\[\]|])", r"\\\1", text)
+
+
+UPSTREAM_REF = re.compile(r"(?<![\w/])((?:[\w.-]+/[\w.-]+)?)#(\d+)\b")
+UPSTREAM_REPO = "deepspeedai/DeepSpeed"
+
+
+def linked(markdown: str) -> str:
+    """Hand-written Markdown with its upstream references (`deepspeedai/DeepSpeed#7018`, and a
+    bare `#7104` after one) made links to GitHub; code spans are left alone."""
+    parts = re.split(r"(`+[^`]*`+)", markdown)
+    repo = UPSTREAM_REPO
+
+    def link(match):
+        nonlocal repo
+        repo = match.group(1) or repo
+        return f"[{match.group(0)}](https://github.com/{repo}/issues/{match.group(2)})"
+
+    return "".join(part if part.startswith("`") else UPSTREAM_REF.sub(link, part) for part in parts)
+
+
+TABLE_ROW = re.compile(r"^\|.*\|$")
+FOOTNOTE = re.compile(r"^- \(([a-z])\) `(.*)`$")
+
+
+def cells(row: str) -> list[str]:
+    """The cells of a Markdown table row, `|` inside code spans kept."""
+    found, current, in_code = [], "", False
+    for char in row.strip()[1:-1]:
+        if char == "`":
+            in_code = not in_code
+        if char == "|" and not in_code:
+            found.append(current.strip())
+            current = ""
+        else:
+            current += char
+    return found + [current.strip()]
+
+
+def shortened(line: str, width: int = 72) -> str:
+    """A printed line cut at a word to about `width` characters (the line a run did not reach)."""
+    line = " ".join(line.split())
+    return line if len(line) <= width else line[:width].rsplit(" ", 1)[0] + " ..."
+
+
+def cell_markdown(cell: str, footnotes: dict[str, str]) -> str:
+    """A table cell of an example's output for a sentence: its code spans kept as code, its
+    emphasis dropped, a footnote mark `(d)` replaced by the error it stands for."""
+    out = []
+    for part in re.split(r"(`[^`]+`)", cell):
+        if len(part) > 1 and part.startswith("`") and part.endswith("`"):
+            out.append(code(part[1:-1]))
+            continue
+        for piece in re.split(r"(\([a-z]\))", part.replace("**", "").replace("*", "")):
+            mark = re.fullmatch(r"\(([a-z])\)", piece)
+            if mark and mark.group(1) in footnotes:
+                out.append("with " + code(footnotes[mark.group(1)]))
+            else:
+                out.append(plain(piece))
+    return "".join(out).strip()
+
+
+def table_header(lines: list[str], index: int) -> list[str] | None:
+    """The header cells of the table that holds lines[index], if it is a table row."""
+    if not TABLE_ROW.match(lines[index]):
+        return None
+    start = index
+    while start > 0 and TABLE_ROW.match(lines[start - 1]):
+        start -= 1
+    if start + 1 < len(lines) and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[start + 1].strip()):
+        return cells(lines[start])
+    return None
+
+
+def footnotes_of(lines: list[str]) -> dict[str, str]:
+    return {match.group(1): match.group(2) for match in map(FOOTNOTE.match, lines) if match}
+
+
+def row_change(here: str, there: str, header: list[str], mine: dict, theirs: dict, pinned: str) -> str | None:
+    """`row R, column C: V (pinned: W)` for a table row whose cells changed, or None when the
+    two lines are not the same row of the same table."""
+    a, b = cells(here), cells(there)
+    if len(a) != len(b) or len(a) != len(header) or a[0] != b[0]:
+        return None
+    changed = [i for i in range(len(a)) if a[i] != b[i]]
+    label = ", ".join(cell_markdown(cell, theirs) for cell in b[:max(1, changed[0])])
+    return f"row {label}: " + "; ".join(
+        f"column \u201c{cell_markdown(header[i], theirs)}\u201d: {cell_markdown(a[i], mine)} "
+        f"({pinned}: {cell_markdown(b[i], theirs)})" for i in changed)
+
+
+def changed_lines(entry: dict, pinned_entry: dict) -> list[tuple[str, str, str, int | None]]:
+    """(context, line here, line on the pinned release, index of that line in the pinned
+    transcript or None) for every printed line that changed."""
+    mine, theirs = transcript({**entry, "raised": []}), transcript({**pinned_entry, "raised": []})
+    found = []
+    matcher = difflib.SequenceMatcher(a=mine, b=theirs, autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        context = next((line for line in reversed(theirs[:b0]) if line and not line[0].isspace()), "")
+        for i in range(max(a1 - a0, b1 - b0)):
+            found.append((context, mine[a0 + i].strip() if a0 + i < a1 else "(no line)",
+                          theirs[b0 + i].strip() if b0 + i < b1 else "(no line)",
+                          b0 + i if b0 + i < b1 else None))
+    return found
+
+
 def describe_difference(entry: dict, pinned_entry: dict, pinned: str) -> list[str]:
-    """How a release's run differs from the pinned one's, in a few lines for the page."""
-    lines = []
+    """What a release's run does differently from the pinned one: one Markdown sentence per
+    change, every message and printed line in code."""
     new_raised = [r for r in entry["raised"] if r not in pinned_entry["raised"]]
     per_rank = [(printed(a).splitlines(), printed(b).splitlines())
                 for a, b in zip(entry["printed"], pinned_entry["printed"])]
     if new_raised and all(mine == theirs[:len(mine)] for mine, theirs in per_rank):
         # Stopped early, with the same output up to there: say where (rank 0's view).
         mine, theirs = per_rank[0]
-        where = f"after `{mine[-1].strip()}`" if mine else "before printing anything"
-        instead = f" ({pinned} prints `{theirs[len(mine)].strip()}` next)" if len(mine) < len(theirs) else ""
-        return [f"stops {where} with `{raised}`{instead}" for raised in new_raised]
-    for context, here, there in differences({**entry, "raised": []}, {**pinned_entry, "raised": []}):
-        label = f"{context}: " if context and context != there else ""
-        lines.append(f"{label}`{here}` ({pinned}: `{there}`)")
-    for raised in new_raised:
-        lines.append(f"raises `{raised}`")
-    for raised in pinned_entry["raised"]:
-        if raised not in entry["raised"]:
-            lines.append(f"does not raise `{raised}` ({pinned} does)")
+        where = f"after printing {code(mine[-1])}" if mine else "before printing anything"
+        instead = (f" ({pinned} prints {code(shortened(theirs[len(mine)]))} next)"
+                   if len(mine) < len(theirs) else "")
+        return [f"stops {where} with {code(raised)}{instead}" for raised in new_raised]
+    theirs_lines = transcript({**pinned_entry, "raised": []})
+    mine_notes, their_notes = footnotes_of(transcript(entry)), footnotes_of(theirs_lines)
+    rows, printed_lines = [], {}  # printed_lines: what changed -> the contexts it changed under
+    for context, here, there, index in changed_lines(entry, pinned_entry):
+        header = table_header(theirs_lines, index) if index is not None else None
+        sentence = row_change(here, there, header, mine_notes, their_notes, pinned) if header else None
+        if sentence is not None:
+            rows.append(sentence)
+        else:
+            where = printed_lines.setdefault(f"{code(here)} ({pinned}: {code(there)})", [])
+            if context and context != there:
+                where.append(context)
+    lines = list(rows)
+    by_contexts: dict[tuple, list[str]] = {}
+    for what, contexts in printed_lines.items():
+        by_contexts.setdefault(tuple(contexts), []).append(what)
+    for contexts, whats in by_contexts.items():
+        under = f"under {', '.join(code(c) for c in contexts)} " if contexts else ""
+        lines.append(f"{under}prints {', '.join(whats)}")
+    lines += [f"raises {code(raised)}" for raised in new_raised]
+    lines += [f"does not raise {code(raised)} ({pinned} does)"
+              for raised in pinned_entry["raised"] if raised not in entry["raised"]]
     if entry["ok"] != pinned_entry["ok"] and not new_raised:
         lines.append("the command " + ("succeeds" if entry["ok"] else "fails") + f" ({pinned}: the opposite)")
     return lines
 
 
-def render_example_note(data: dict, config: dict, path: str) -> str:
-    """A note for the page that shows `path`: the releases it ran on, and where its output differs."""
+def changes_of(data: dict, config: dict, command: str) -> list[dict]:
+    """One entry per group of releases that differ from the pinned one in `command`: the
+    releases as a span, when it changed, the sentences, the curated upstream change."""
     pinned = config["pinned"]
-    by_command = grouped(data, config)
+    ran = ran_releases(data, command)
+    found = []
+    for versions, entry in grouped(data, config)[command]:
+        # The release after this run of releases prints something else: the pinned
+        # release's output, or another group's.
+        following = release_after(versions, ran)
+        when = when_changed(versions[-1], following) if following else None
+        exact = bool(when and when.startswith("changed in"))
+        found.append({
+            "span": span(versions, ran), "when": when,
+            "sentences": describe_difference(entry, data["releases"][pinned]["examples"][command], pinned),
+            "upstream": upstream_for(config, command, following) if exact else None,
+        })
+    return found
+
+
+def change_line(change: dict, example: str | None = None) -> str:
+    """One compact line per change: the releases (when it changed), the example, what differs."""
+    when = f" ({change['when']})" if change["when"] else ""
+    named = f", {code(Path(example).name)}" if example else ""
+    line = f"**{change['span']}**{when}{named}: {'; '.join(change['sentences'])}."
+    if change["upstream"]:
+        line += f" Upstream: {linked(change['upstream']['change'])}."
+    return line
+
+
+def render_example_note(data: dict, config: dict, path: str) -> str:
+    """A note for the pages that show `path`: the releases it ran on, and where its output differs."""
+    pinned = config["pinned"]
     lines = []
     others = set()
-    for command, groups in by_command.items():
+    for command in commands(config):
         if example_name(command) != path:
             continue
-        ran = ran_releases(data, command)
-        others.update(v for v in ran if v != pinned)
-        for versions, entry in groups:
-            following = release_after(versions, ran)
-            when = f" ({when_changed(versions[-1], following)})" if following else ""
-            for line in describe_difference(entry, data["releases"][pinned]["examples"][command], pinned):
-                lines.append(f"On {span(versions, ran)}{when}: {line}")
-    head = (f'!!! note "Other DeepSpeed releases"\n    This example was also run on DeepSpeed '
+        others.update(v for v in ran_releases(data, command) if v != pinned)
+        for change in changes_of(data, config, command):
+            lines.append(change_line(change))
+    head = (f'!!! note "Other DeepSpeed releases"\n    This example also ran on DeepSpeed '
             f"{', '.join(sorted(others, key=release_key)) or '(none yet)'} "
             f"([DeepSpeed versions](../versions.md)).")
     if not lines:
@@ -686,26 +840,35 @@ def render_example_note(data: dict, config: dict, path: str) -> str:
     return head + f" What differs from {pinned}:\n\n" + "".join(f"    - {line}\n" for line in lines)
 
 
-GENERATED_FILES = {
-    "versions.md": lambda data, config: render_versions_page(data, config),
-    "automatic_detection.md": lambda data, config: render_example_note(
-        data, config, "snippets/zero3/automatic_detection.py"),
-    "module_z3.md": lambda data, config: render_example_note(data, config, "snippets/zero3/module_z3.py"),
-    "deepspeed_tied.md": lambda data, config: render_example_note(
-        data, config, "snippets/pipeline/deepspeed_tied.py"),
-}
+def note_name(path: str) -> str:
+    """The generated note of an example: snippets/versions/<its name>.md."""
+    return Path(path).stem + ".md"
+
+
+def examples_with_differences(data: dict, config: dict) -> list[str]:
+    """The examples (paths) whose output on some release differs from the pinned release's:
+    each gets a note, which every page showing the example includes."""
+    return sorted({example_name(command) for command, groups in grouped(data, config).items() if groups})
 
 
 def render(data: dict | None = None, config: dict | None = None) -> dict[str, str]:
+    """Every generated file: versions.md, and a note per example with differences."""
     data = data or load_data()
     config = config or load_releases()
-    return {name: make(data, config) for name, make in GENERATED_FILES.items()}
+    files = {"versions.md": render_versions_page(data, config)}
+    for path in examples_with_differences(data, config):
+        files[note_name(path)] = render_example_note(data, config, path)
+    return files
 
 
 def write_generated(data: dict | None = None) -> None:
     GENERATED.mkdir(exist_ok=True)
-    for name, text in render(data).items():
+    files = render(data)
+    for name, text in files.items():
         (GENERATED / name).write_text(text)
+    for stale in GENERATED.glob("*.md"):
+        if stale.name not in files:
+            stale.unlink()
 
 
 def pinned_row_now(config: dict | None = None, python: Path | None = None) -> dict:

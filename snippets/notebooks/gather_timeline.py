@@ -44,9 +44,12 @@ def attach_recorder(model, record):
     """
     for name, module in model.named_modules():
         label = name or type(model).__name__
-        module.register_forward_pre_hook(lambda m, a, label=label: record(label, "forward", "start"))
-        module.register_forward_hook(lambda m, a, o, label=label: record(label, "forward", "end"))
-        module.register_full_backward_pre_hook(lambda m, g, label=label: record(label, "backward", "start"))
+        module.register_forward_pre_hook(
+            lambda m, a, label=label: record(label, "forward", "start"))
+        module.register_forward_hook(
+            lambda m, a, o, label=label: record(label, "forward", "end"))
+        module.register_full_backward_pre_hook(
+            lambda m, g, label=label: record(label, "backward", "start"))
 # --8<-- [end:record]
 
 

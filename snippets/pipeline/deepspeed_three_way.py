@@ -19,7 +19,8 @@ MICRO_BATCH, MICRO_BATCHES, STEPS = 4, 2, 3
 
 # --8<-- [start:model]
 class Mixer(nn.Module):
-    """A layer that carries the decoder's tokens along: (hidden, tokens) -> (hidden', tokens)."""
+    """A layer that carries the decoder's tokens along:
+    (hidden, tokens) -> (hidden', tokens)."""
 
     def __init__(self):
         super().__init__()

@@ -33,7 +33,8 @@ def logits_from_embedding(embedding, hidden):
 def layers(tied=True):
     if tied:
         first = TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM)
-        last = TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=logits_from_embedding)
+        last = TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM,
+                             forward_fn=logits_from_embedding)
     else:  # the mistake: two independent layers that merely look alike
         first = LayerSpec(nn.Embedding, VOCAB, DIM)
         last = LayerSpec(HeadFromOwnEmbedding)
@@ -57,7 +58,8 @@ class HeadFromOwnEmbedding(nn.Embedding):
 
 
 def micro_batches():
-    """MICRO_BATCHES (tokens, next tokens) pairs: the same on every rank, every step, every run."""
+    """MICRO_BATCHES (tokens, next tokens) pairs: the same on every rank, every step,
+    every run."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(MICRO_BATCHES):
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=generator)
@@ -124,7 +126,8 @@ def main():
             print("TiedLayerSpec" if tied else "LayerSpec (no tie)")
             print(f"  max |stage 0 copy - stage 1 copy| when built: {differences[0]:.4f}")
             for step, (loss, diff) in enumerate(zip(losses, differences[1:])):
-                print(f"  step {step}: loss {loss:.4f}, max |stage 0 copy - stage 1 copy| {diff:.4f}")
+                print(f"  step {step}: loss {loss:.4f}, "
+                      f"max |stage 0 copy - stage 1 copy| {diff:.4f}")
     torch.distributed.destroy_process_group()
     # --8<-- [end:main]
     return results

@@ -50,11 +50,14 @@ def micro_batches(step):
 def new_engine(partition_method="uniform"):
     layers = [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
               LayerSpec(Mixer), LayerSpec(Mixer),
-              TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=logits_from_embedding)]
+              TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM,
+                            forward_fn=logits_from_embedding)]
     # "uniform": layers 0-1 on stage 0, 2-3 on stage 1. "type:Embedding": layers 0-2, then 3.
-    model = PipelineModule(layers, num_stages=2, loss_fn=cross_entropy, partition_method=partition_method,
+    model = PipelineModule(layers, num_stages=2, loss_fn=cross_entropy,
+                           partition_method=partition_method,
                            seed_layers=partition_method == "uniform", base_seed=SEED)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)  # state to save: two moments per weight
+    # Adam: state to save, two moments per weight.
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     ds_config = {"train_micro_batch_size_per_gpu": MICRO_BATCH,
                  "gradient_accumulation_steps": MICRO_BATCHES, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)

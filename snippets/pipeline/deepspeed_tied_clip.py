@@ -50,7 +50,8 @@ def whole_model_norm(engine):
     """The norm clip_grad_norm_ would see in one process: every gradient of every stage, the
     tied weight counted once (only the first stage's copy)."""
     tied = engine.module.tied_modules["embed"].weight
-    local = squares(p for p in engine.module.parameters() if engine.stage_id == 0 or p is not tied)
+    local = squares(p for p in engine.module.parameters()
+                    if engine.stage_id == 0 or p is not tied)
     total = torch.as_tensor(local, dtype=torch.float32, device=engine.device)
     dist.all_reduce(total)  # one replica: the pipeline group is every rank
     return total.sqrt().item()
@@ -63,11 +64,13 @@ def record_norms(engine):
 
     def clip_fp32_gradients():
         whole = whole_model_norm(engine)
-        stage0 = torch.as_tensor(squares(engine.module.parameters()) if engine.stage_id == 0 else 0.0)
+        stage0 = torch.as_tensor(
+            squares(engine.module.parameters()) if engine.stage_id == 0 else 0.0)
         dist.broadcast(stage0, src=0)
         used = clip_grad_norm_(parameters=engine.module.parameters(),
                                max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-        norms.append({"deepspeed": used.item(), "whole model": whole, "stage 0 only": stage0.sqrt().item()})
+        norms.append({"deepspeed": used.item(), "whole model": whole,
+                      "stage 0 only": stage0.sqrt().item()})
 
     engine.clip_fp32_gradients = clip_fp32_gradients
     return norms

@@ -60,7 +60,8 @@ def train(tie_in_one_group, device):
     mine = slice(rank, None, world)  # data parallel: each rank trains on its share of the batch
     losses = []
     for step in range(STEPS):
-        logits = model(tokens[mine])  # the separate-groups model raises here, at its first forward
+        # The separate-groups model raises here, at its first forward.
+        logits = model(tokens[mine])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[mine].reshape(-1))
         loss.backward()
         optimizer.step()

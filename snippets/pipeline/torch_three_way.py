@@ -69,7 +69,8 @@ def main():
     torch.manual_seed(SEED)
     tokens, targets = (t.to(device) for t in batch())
     pipe = pipeline(EncoderDecoder().to(device), mb_args=(tokens[:MICRO_BATCH],),
-                    split_spec={"decoder_embed": SplitPoint.BEGINNING, "head": SplitPoint.BEGINNING})
+                    split_spec={"decoder_embed": SplitPoint.BEGINNING,
+                                "head": SplitPoint.BEGINNING})
     (uses,) = pipe.replicated_params  # one entry per stage: {"submod_pp_0": ..., ..._1, ..._2}
     holders = sorted(int(submodule.rsplit("_", 1)[1]) for submodule in uses)
     module = pipe.get_stage_module(rank)

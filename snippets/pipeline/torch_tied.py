@@ -65,7 +65,8 @@ def split(model, tokens):
     # pipe.replicated_params: one {stage submodule: parameter name} dict per shared weight,
     # e.g. {"submod_pp_0": "embed.weight", "submod_pp_1": "head.weight"}.
     (uses,) = pipe.replicated_params
-    holders = sorted(int(submodule.rsplit("_", 1)[1]) for submodule in uses)  # stage = rank here
+    # Stage = rank here.
+    holders = sorted(int(submodule.rsplit("_", 1)[1]) for submodule in uses)
     return pipe, uses, holders
 # --8<-- [end:split]
 

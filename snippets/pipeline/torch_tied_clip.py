@@ -57,7 +57,8 @@ def batch():
 def clip_whole_model(parameters, tied, first_holder):
     """Clip by the norm of the whole model, as clip_grad_norm_ does in one process: each
     stage's sum of squares, the tied gradient (already summed) counted on one stage only."""
-    grads = [p.grad for p in parameters if p.grad is not None and (first_holder or p is not tied)]
+    grads = [p.grad for p in parameters
+             if p.grad is not None and (first_holder or p is not tied)]
     squares = get_total_norm(grads) ** 2
     dist.all_reduce(squares)  # over the pipeline: here every rank
     total = squares.sqrt()

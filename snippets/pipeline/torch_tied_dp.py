@@ -57,8 +57,10 @@ def batch(replica):
 def process_groups(rank):
     """Ranks 0, 1 run stage 0 and ranks 2, 3 stage 1 (DeepSpeed's layout); replica = rank % 2.
     Every rank calls new_group for every group, member or not."""
-    pipes = [dist.new_group([stage * REPLICAS + r for stage in range(STAGES)]) for r in range(REPLICAS)]
-    replicas = [dist.new_group([s * REPLICAS + r for r in range(REPLICAS)]) for s in range(STAGES)]
+    pipes = [dist.new_group([stage * REPLICAS + r for stage in range(STAGES)])
+             for r in range(REPLICAS)]
+    replicas = [dist.new_group([s * REPLICAS + r for r in range(REPLICAS)])
+                for s in range(STAGES)]
     stage, replica = divmod(rank, REPLICAS)
     # One replica's pipeline: the stages that hold a copy of the tie. Here both do, so the tie
     # group is the pipeline group [replica, REPLICAS + replica].

@@ -84,7 +84,8 @@ def main():
     device = this_ranks_device()
     dist.init_process_group(dist.get_default_backend_for_device(device))
     rank, world = dist.get_rank(), dist.get_world_size()
-    layers = [layer.to(device) for layer in build_model()]  # every rank builds all of it, seeded, and keeps its stages
+    # Every rank builds all of it, seeded, and keeps its stages.
+    layers = [layer.to(device) for layer in build_model()]
     # The V: rank r runs stage r and stage STAGES - 1 - r. Rank 0: stages 0 and 3.
     mine = [rank, STAGES - 1 - rank]
     stages = [PipelineStage(layers[i], i, STAGES, device) for i in mine]
@@ -92,7 +93,8 @@ def main():
     # rank 0's two stages share the embedding, so its gradient would be divided twice.
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=MICRO_BATCHES, loss_fn=cross_entropy,
                                      scale_grads=False)
-    parameters = list({id(p): p for i in mine for p in layers[i].parameters()}.values())  # once each
+    # Each parameter once.
+    parameters = list({id(p): p for i in mine for p in layers[i].parameters()}.values())
     optimizer = torch.optim.SGD(parameters, lr=LR)
 
     tokens, targets = (t.to(device) for t in batch())

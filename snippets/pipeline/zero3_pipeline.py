@@ -26,7 +26,8 @@ def main():
          LayerSpec(nn.Linear, DIM, DIM),
          TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=logits_from_embedding)],
         num_stages=2,
-        loss_fn=lambda logits, targets: F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)),
+        loss_fn=lambda logits, targets: F.cross_entropy(logits.reshape(-1, VOCAB),
+                                                        targets.reshape(-1)),
     )
     ds_config = {
         "train_micro_batch_size_per_gpu": 4,

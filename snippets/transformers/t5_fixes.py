@@ -44,7 +44,8 @@ class GatheredTrainer(Trainer):
         weight = model.module.shared.weight
         with deepspeed.zero.GatheredParameters(weight):  # the full weight, for reading
             sampled_input_embed = sampled_input.view(b * l, c).mm(weight)
-        outputs = model(inputs_embeds=sampled_input_embed.view(b, l, -1), labels=inputs["labels"])
+        outputs = model(inputs_embeds=sampled_input_embed.view(b, l, -1),
+                        labels=inputs["labels"])
         return outputs.loss
 # --8<-- [end:gathered]
 
@@ -125,7 +126,8 @@ def main():
     # --8<-- [end:train_wrapper]
     say("wrapper, losses by step:", " ".join(f"{loss:.6f}" for loss in results["wrapper"]["losses"]))
     # --8<-- [start:save_model]
-    results["save_model"] = error_of(lambda: trainer.save_model(tempfile.mkdtemp(prefix="wrapper-")))
+    results["save_model"] = error_of(
+        lambda: trainer.save_model(tempfile.mkdtemp(prefix="wrapper-")))
     # --8<-- [end:save_model]
     if rank == 0:  # the rank that writes the files
         kind, message, _ = results["save_model"]

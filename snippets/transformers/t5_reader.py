@@ -22,12 +22,14 @@ class Model(AutoModelForSeq2SeqLM):  # the reader's class
     def __init__(self, *args):
         print("Model.__init__ runs")
         super().__init__(self, *args)
-        deepspeed.zero.register_external_parameter(self, self.shared.weight)  # never reached: the line above raises
+        # Never reached: the line above raises.
+        deepspeed.zero.register_external_parameter(self, self.shared.weight)
 # --8<-- [end:auto]
 
 
 # --8<-- [start:concrete]
-class RegisteredT5(T5ForConditionalGeneration):  # the concrete class: from_pretrained runs this __init__
+# The concrete class: from_pretrained runs this __init__.
+class RegisteredT5(T5ForConditionalGeneration):
     def __init__(self, config):
         super().__init__(config)
         deepspeed.zero.register_external_parameter(self, self.shared.weight)
@@ -41,7 +43,9 @@ class ReaderTrainer(Trainer):
         sampled_input = inputs["sampled_input"]
         b, l, c = sampled_input.shape
         sampled_input_embed = sampled_input.view(b * l, c).mm(model.module.shared.weight)
-        outputs = model(inputs_embeds=sampled_input_embed.view(b, l, -1), labels=inputs["labels"])  # never reached
+        # Never reached:
+        outputs = model(inputs_embeds=sampled_input_embed.view(b, l, -1),
+                        labels=inputs["labels"])
         return outputs.loss  # never reached: the product above raises
 # --8<-- [end:loss]
 
@@ -49,8 +53,10 @@ class ReaderTrainer(Trainer):
 # --8<-- [start:transpose]
 class TransposeTrainer(Trainer):  # the same product, written as F.linear(x, W^T)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        sampled_input_embed = F.linear(inputs["sampled_input"], model.module.shared.weight.transpose(0, 1))
-        outputs = model(inputs_embeds=sampled_input_embed, labels=inputs["labels"])  # never reached
+        sampled_input_embed = F.linear(inputs["sampled_input"],
+                                       model.module.shared.weight.transpose(0, 1))
+        # Never reached:
+        outputs = model(inputs_embeds=sampled_input_embed, labels=inputs["labels"])
         return outputs.loss  # never reached: the product above raises
 # --8<-- [end:transpose]
 

@@ -65,7 +65,8 @@ def training_arguments(world_size):
         per_device_train_batch_size=EXAMPLES // world_size,  # one step sees every example
         num_train_epochs=STEPS, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=0.0, seed=SEED, remove_unused_columns=False,
-        save_strategy="no", logging_strategy="no", report_to="none", disable_tqdm=True, **cpu_only,
+        save_strategy="no", logging_strategy="no", report_to="none", disable_tqdm=True,
+        **cpu_only,
     )
 # --8<-- [end:args]
 

@@ -30,7 +30,8 @@ def set_full_weight(param, value):
     with deepspeed.zero.GatheredParameters(param, modifier_rank=0):
         with torch.no_grad():
             param.copy_(value)  # the model's copy: the next forward computes with it
-    deepspeed.utils.safe_set_full_fp32_param(param, value)  # the optimizer's copy: engine.step() keeps it
+    # The optimizer's copy: engine.step() keeps it.
+    deepspeed.utils.safe_set_full_fp32_param(param, value)
 # --8<-- [end:surgery]
 
 
@@ -62,16 +63,19 @@ def main():
         loss = F.mse_loss(engine(inputs.to(engine.device)), targets.to(engine.device))
         engine.backward(loss)
         # --8<-- [start:grad]
-        grad = deepspeed.utils.safe_get_full_grad(first)  # between engine.backward and engine.step
+        # Between engine.backward and engine.step:
+        grad = deepspeed.utils.safe_get_full_grad(first)
         # --8<-- [end:grad]
         grads.append(grad.clone())
         engine.step()
         # --8<-- [start:log]
-        norm = deepspeed.utils.safe_get_full_fp32_param(first).norm().item()  # every rank must call it
+        # Every rank must call it:
+        norm = deepspeed.utils.safe_get_full_fp32_param(first).norm().item()
         # --8<-- [end:log]
         # --8<-- [start:ema]
         for name, param in engine.module.named_parameters():  # every rank runs the same loop
-            ema[name].mul_(DECAY).add_(deepspeed.utils.safe_get_full_fp32_param(param), alpha=1 - DECAY)
+            full = deepspeed.utils.safe_get_full_fp32_param(param)
+            ema[name].mul_(DECAY).add_(full, alpha=1 - DECAY)
         # --8<-- [end:ema]
         losses.append(loss.item())
         norms.append(norm)

@@ -45,7 +45,8 @@ def zero_with_modifier_rank_none(weight, rank):
         inside = weight.sum().item()
     with deepspeed.zero.GatheredParameters(weight):
         after = weight.sum().item()
-    print(f"[rank {rank}] zeroed with modifier_rank=None: sum {inside:.4f} inside, {after:.4f} after")
+    print(f"[rank {rank}] zeroed with modifier_rank=None: "
+          f"sum {inside:.4f} inside, {after:.4f} after")
     return inside, after
 # --8<-- [end:lost]
 
@@ -88,14 +89,16 @@ def main():
 
     # --8<-- [start:outside]
     weight = model.embeddings.weight
-    print(f"[rank {rank}] outside forward: shape {tuple(weight.shape)}, ds_shape {tuple(weight.ds_shape)}")
+    print(f"[rank {rank}] outside forward: shape {tuple(weight.shape)}, "
+          f"ds_shape {tuple(weight.ds_shape)}")
     # --8<-- [end:outside]
     seen["outside"] = (tuple(weight.shape), tuple(weight.ds_shape))
 
     # --8<-- [start:read]
     with deepspeed.zero.GatheredParameters(weight):  # modifier_rank=None: read only
         full = weight.detach().clone()
-        print(f"[rank {rank}] inside GatheredParameters: shape {tuple(weight.shape)}, sum {full.sum():.4f}")
+        print(f"[rank {rank}] inside GatheredParameters: shape {tuple(weight.shape)}, "
+              f"sum {full.sum():.4f}")
     print(f"[rank {rank}] after it: shape {tuple(weight.shape)}")
     # --8<-- [end:read]
     seen["full"], seen["after"] = full, tuple(weight.shape)
@@ -127,7 +130,8 @@ def main():
     seen["broadcast"] = (values, tuple(weight.shape))
 
     # --8<-- [start:guard]
-    checked = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "enable_sanity_checks": True}}
+    checked = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"],
+                                                  "enable_sanity_checks": True}}
     with deepspeed.zero.Init(config_dict_or_path=checked):
         layer = nn.Linear(DIM, DIM)
     try:

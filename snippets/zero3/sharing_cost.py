@@ -30,7 +30,8 @@ def compute_logits(hidden, weight):
 
 
 class Detected(nn.Module):
-    """The LanguageModel pattern: the root forward reads embeddings.weight; nothing registered."""
+    """The LanguageModel pattern: the root forward reads embeddings.weight; nothing
+    registered."""
 
     def __init__(self):
         super().__init__()
@@ -133,12 +134,17 @@ class Recorder:
         self.storages, self.events, self.step = {}, [], 0
         for name, module in model.named_modules():
             label = name or "model"
-            module.register_forward_pre_hook(lambda m, a, label=label: self.record(f"{label}.forward start"))
-            module.register_forward_hook(lambda m, a, o, label=label: self.record(f"{label}.forward end"))
-            module.register_full_backward_pre_hook(lambda m, g, label=label: self.record(f"{label}.backward start"))
-            module.register_full_backward_hook(lambda m, gi, go, label=label: self.record(f"{label}.backward end"))
+            module.register_forward_pre_hook(
+                lambda m, a, label=label: self.record(f"{label}.forward start"))
+            module.register_forward_hook(
+                lambda m, a, o, label=label: self.record(f"{label}.forward end"))
+            module.register_full_backward_pre_hook(
+                lambda m, g, label=label: self.record(f"{label}.backward start"))
+            module.register_full_backward_hook(
+                lambda m, gi, go, label=label: self.record(f"{label}.backward end"))
         for p in self.params:
-            p.register_hook(lambda grad, name=self.names[id(p)]: self.record(f"gradient of {name}"))
+            p.register_hook(
+                lambda grad, name=self.names[id(p)]: self.record(f"gradient of {name}"))
 
     def record(self, moment):
         full = [p for p in self.params if p.data.numel() > 0]
@@ -161,7 +167,8 @@ class Recorder:
         def watched(hidden, weight):
             self.record("logits read the weight")
             logits = plain(hidden, weight)
-            logits.grad_fn.register_prehook(lambda grad: self.record("backward reaches the read"))
+            logits.grad_fn.register_prehook(
+                lambda grad: self.record("backward reaches the read"))
             return logits
 
         return watched
@@ -272,7 +279,8 @@ def on_paper(results, vocab=262144, hidden=4096, bytes_per_value=2):
             last = [e for e in result["events"] if e["step"] == STEPS - 1]
             copies = max(e["alive"] for e in result["events"]) // embedding
             holding = sum("embeddings.weight" in e["full"] for e in last)
-            print(f"  {name:40} {copies} full {'copy' if copies == 1 else 'copies'} at the peak = "
+            print(f"  {name:40} {copies} full "
+                  f"{'copy' if copies == 1 else 'copies'} at the peak = "
                   f"{copies * real / 2**30:.2f} GiB + the layers gathered then; "
                   f"held at {holding} of {len(last)} moments")
 # --8<-- [end:paper]

@@ -77,7 +77,6 @@ def main():
         logits = engine(sampled_input[mine])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets[mine].reshape(-1))
         engine.backward(loss)
-    # --8<-- [end:train]
         grads.append({name: deepspeed.utils.safe_get_full_grad(p).clone()
                       for name, p in engine.module.named_parameters()})
         engine.step()
@@ -86,6 +85,7 @@ def main():
         losses.append(mean_loss.item() / world)
         if rank == 0:
             print(f"step {step}: loss {losses[-1]:.4f}")
+    # --8<-- [end:train]
     torch.distributed.destroy_process_group()
     return {"losses": losses, "grads": grads}
 

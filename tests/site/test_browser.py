@@ -247,3 +247,76 @@ def test_notebook_plot_and_code_are_readable(browser_page, site_url, width):
         widths = page.evaluate("() => [...document.querySelectorAll('.jp-CodeCell .highlight-ipynb')]"
                                ".map(b => b.scrollWidth - b.clientWidth)")
         assert widths and max(widths) <= 0, f"code cells need scrolling at {width} px: {widths}"
+
+
+# --- the reading experience: widths and sizes as a reader's browser lays them out -----------
+
+# Every code and output block of an article, collapsed ones opened first: how much wider its
+# content is than its box (0 when it fits).
+BLOCKS_OVER = """() => {
+  document.querySelectorAll('article details').forEach(d => d.open = true);
+  return [...document.querySelectorAll('article div.highlight pre > code')].map(code => {
+    const lang = (code.closest('div.highlight').className.match(/language-(\\w+)/) || [])[1] || '';
+    return [lang, code.scrollWidth - code.clientWidth, code.clientWidth,
+            code.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 80)];
+  });
+}"""
+
+
+@pytest.mark.parametrize("path", [p for p in page_paths() if source_of(p).suffix == ".md"],
+                         ids=lambda p: p or "home")
+def test_at_1400_px_every_block_fits_its_column(browser_page, site_url, path):
+    """At 1400 px the content column is wide (docs/assets/stylesheets/reading.css), Python
+    blocks fit it (the snippets keep their lines short), and output and command blocks wrap
+    their long lines: no block hides the end of a line off its right edge."""
+    page = browser_page
+    page.set_viewport_size({"width": 1400, "height": 900})
+    open_page(page, site_url + path)
+    blocks = page.evaluate(BLOCKS_OVER)
+    assert all(width >= 800 for _, _, width, _ in blocks), f"{path}: a column narrower than 800 px: {blocks}"
+    over = [(lang, excess, line) for lang, excess, _, line in blocks if excess > 1]
+    assert not over, f"{path}: blocks wider than their column at 1400 px: {over}"
+
+
+@pytest.mark.parametrize("width", [1400, 390], ids=["1400px", "phone-390px"])
+def test_the_sharing_cost_plot_is_readable(browser_page, site_url, width):
+    """The plot's smallest text is at least MIN_TEXT_PX CSS px high as shown (its font size,
+    in the SVG's points, times the shown width over the SVG's width), and it fits the page."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sharing_cost_plot", ROOT / "hooks/sharing_cost_plot.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = browser_page
+    page.set_viewport_size({"width": width, "height": 900})
+    open_page(page, site_url + "zero3/sharing-cost/")
+    image = page.locator("article picture img")
+    assert image.count() == 1
+    source, natural, shown, article = image.evaluate(
+        "img => [img.currentSrc, img.naturalWidth, img.getBoundingClientRect().width,"
+        " img.closest('article').getBoundingClientRect().width]")
+    layout = next(name for name in hook.LAYOUTS if source.endswith("/" + name))
+    _, _, _, points = hook.LAYOUTS[layout]
+    text_px = points * 4 / 3 * shown / natural  # the SVG's units are points; a CSS px is 3/4 pt
+    assert text_px >= MIN_TEXT_PX, f"{layout}: the plot's text is {text_px:.1f} px high at {width} px"
+    assert shown <= article + 1
+
+
+# Inline code in table cells: the width of every line of it but its last, in units of its font
+# size (a monospace character is about 0.6 of it), for the code that spans several lines.
+TABLE_CODE_LINES = """() => [...document.querySelectorAll('article td code')].map(code => {
+  const em = parseFloat(getComputedStyle(code).fontSize);
+  const rects = [...code.getClientRects()];
+  return [code.textContent, rects.slice(0, -1).map(r => r.width / em)];
+})"""
+
+
+@pytest.mark.parametrize("path", ["zero3/automatic-detection/", "zero3/troubleshooting/", "zero3/sharing-cost/"])
+def test_at_390_px_code_in_a_table_cell_breaks_only_at_spaces(browser_page, site_url, path):
+    """Inline code in a narrow table cell is not cut every few characters: a line of it that
+    is not its last holds at least about 6 characters (4 em); the table scrolls sideways instead."""
+    page = browser_page
+    page.set_viewport_size({"width": 390, "height": 900})
+    open_page(page, site_url + path)
+    cut = [(text, widths) for text, widths in page.evaluate(TABLE_CODE_LINES) if any(w < 4 for w in widths)]
+    assert not cut, f"{path}: code cut inside a word at 390 px: {cut[:5]}"

@@ -166,9 +166,12 @@ def test_the_plot_is_drawn_from_the_data_file():
     assert {variant for variant, _ in hook.PANELS} <= set(data) == set(EXPECTED) | set(FAILS)
     svg = hook.draw(data)
     assert svg == hook.draw(data)
+    narrow = hook.draw(data, layout=hook.IMAGE_NARROW)  # the phone version, one column
+    assert narrow == hook.draw(data, layout=hook.IMAGE_NARROW) and narrow != svg
     for _, title in hook.PANELS:
-        assert title in svg
-    assert "sharing-cost.svg" in (ROOT / "docs/zero3/sharing-cost.md").read_text()
+        assert title in svg and title in narrow
+    page = (ROOT / "docs/zero3/sharing-cost.md").read_text()
+    assert "sharing-cost.svg" in page and "sharing-cost-narrow.svg" in page
 
 
 def test_the_plot_is_drawn_again_only_when_its_data_changes(tmp_path, monkeypatch):
