@@ -84,11 +84,58 @@ def run_child(command: list[str], **options) -> int:
             interrupted |= info.si_signo == signal.SIGINT
             if info.si_code != SI_KERNEL:
                 process.send_signal(info.si_signo)
+        end_what_is_left()
         while (info := signal.sigtimedwait(FORWARDED, 0)) is not None:  # came as it ended
             interrupted |= info.si_signo == signal.SIGINT
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
     return process.returncode if process.returncode >= 0 else 128 - process.returncode
+
+
+def become_subreaper() -> None:
+    """Processes the child leaves behind become this process's children, not init's (Linux):
+    a notebook kernel runs in a session of its own, which no Ctrl-C at the terminal reaches,
+    and its cell's run went on for half a minute after the build that started it was gone."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def children() -> list[tuple[int, str]]:
+    """(pid, state) of this process's children, from /proc; none where there is no /proc."""
+    found = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == os.getpid():
+                found.append((int(entry.name), fields[0]))
+    return found
+
+
+def end_what_is_left(grace: float = 5.0) -> None:
+    """End the processes the child left behind (they are ours: become_subreaper): SIGTERM,
+    then SIGKILL after `grace` seconds; what they leave in turn is ended the same way."""
+    signalled: dict[int, float] = {}
+    stop = time.monotonic() + 3 * grace
+    while (left := children()) and time.monotonic() < stop:
+        for pid, state in left:
+            try:
+                if state == "Z":
+                    os.waitpid(pid, os.WNOHANG)
+                elif pid not in signalled:
+                    os.kill(pid, signal.SIGTERM)
+                    signalled[pid] = time.monotonic()
+                elif time.monotonic() - signalled[pid] > grace:
+                    os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        time.sleep(0.05)
 
 
 def run_step(command: list[str], **options) -> None:
@@ -238,53 +285,92 @@ def install_locked() -> None:
 FILES_GONE = "its files are gone"
 CHECK_ENVIRONMENT = """
 import json, os, re, sys
-from importlib.metadata import distributions
 from importlib.util import find_spec
+from pathlib import Path
 def key(name):
     return re.sub(r"[-_.]+", "-", name).lower()
-def top_level(dist):
-    # {module: is a regular package} from the files the distribution installed (RECORD).
+# The installed distributions from their .dist-info directories' names (name-version): reading
+# every METADATA file instead would take most of the half second.
+found = {}
+for directory in sys.path:
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        continue
+    for entry in entries:
+        if entry.name.endswith(".dist-info"):
+            name, _, version = entry.name[:-len(".dist-info")].partition("-")
+            found.setdefault(key(name), (version, Path(entry.path)))  # the first on sys.path, as import
+def installed(name):
+    if key(name) in found:
+        return found[key(name)]
+    from importlib.metadata import distribution, PackageNotFoundError  # slower: only for a miss
+    try:
+        dist = distribution(name)
+    except PackageNotFoundError:
+        return None
+    return dist.version, Path(str(dist._path))
+def read(where, name):
+    try:
+        return (where / name).read_text()
+    except OSError:
+        return ""
+def top_level(where):
+    # {module: whether it is a regular package (has __init__.py)}, from top_level.txt if the
+    # distribution has one, else from the files it installed (RECORD).
+    names = read(where, "top_level.txt").split()
+    if names:
+        return {name: None for name in names if name.isidentifier()}
     modules = {}
-    for line in (dist.read_text("RECORD") or "").splitlines():
-        path = line.rsplit(",", 2)[0].strip('"')
-        first, _, rest = path.partition("/")
-        if first.startswith("..") or first.endswith((".dist-info", ".data", ".pth")) or first == "__pycache__":
-            continue
-        if rest:
+    for first, rest in re.findall(r'^"?([^/,\\n]+)(?:/([^,\\n]*))?', read(where, "RECORD"), re.M):
+        if rest and first.isidentifier():
             modules[first] = modules.get(first, False) or rest == "__init__.py"
-        elif first.endswith((".py", ".so")):
+        elif not rest and first.endswith((".py", ".so")) and first.split(".")[0].isidentifier():
             modules.setdefault(first.split(".")[0], False)
     return modules
+def entry_points(where):
+    points, group = set(), None
+    for line in read(where, "entry_points.txt").splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            group = line[1:-1]
+        elif "=" in line and group:
+            name, _, value = line.partition("=")
+            points.add((group, name.strip(), value.strip()))
+    return points
+def gone(where, module, package):
+    spec = find_spec(module)
+    if spec is None:
+        return True
+    if spec.origin not in (None, "namespace"):
+        return False
+    if package is None:  # a namespace package now: was it one?
+        package = f"{module}/__init__.py," in read(where, "RECORD")
+    return package
 wanted = json.load(sys.stdin)
-found = {}
-for dist in distributions():
-    found.setdefault(key(dist.metadata["Name"]), dist)  # the first on sys.path, as import does
 problems = []
 for line in wanted["pins"]:
     name, version = line.split("==")
-    dist = found.get(key(name))
-    if dist is None:
+    have = installed(name)
+    if have is None:
         problems.append(f"{name}=={version}: not installed")
-        continue
-    if dist.version.split("+")[0] != version:
-        problems.append(f"{name}=={version}: found {dist.version}")
-        continue
-    for module, package in sorted(top_level(dist).items()):
-        spec = find_spec(module)
-        if spec is None or (package and spec.origin in (None, "namespace")):
-            problems.append(f"{name}=={version}: installed, but {FILES_GONE} (no module {module!r})")
-            break
+    elif have[0].split("+")[0] != version:
+        problems.append(f"{name}=={version}: found {have[0]}")
+    else:
+        missing = [module for module, package in sorted(top_level(have[1]).items()) if gone(have[1], module, package)]
+        if missing:
+            problems.append(f"{name}=={version}: installed, but {FILES_GONE} (no module {missing[0]!r})")
 project = wanted["project"]
-dist = found.get(key(project["name"]))
-if dist is None:
+have = installed(project["name"])
+if have is None:
     problems.append(f"{project['name']} (this project, pip install -e .): not installed")
 else:
-    have = {(ep.group, ep.name, ep.value) for ep in dist.entry_points}
+    points = entry_points(have[1])
     for group, name, value in map(tuple, project["entry_points"]):
         module = value.split(":")[0]
         spec = find_spec(module.split(".")[0])
         origin = (spec.origin or "") if spec else ""
-        if (group, name, value) not in have:
+        if (group, name, value) not in points:
             problems.append(f"{project['name']} (this project): entry point {group}:{name} = {value} is not installed")
         elif not (origin and os.path.realpath(origin).startswith(project["root"] + os.sep)):
             problems.append(f"{project['name']} (this project): {module} is imported from "
@@ -383,6 +469,7 @@ def main(argv: list[str]) -> int:
     if command not in COMMANDS:
         die(f"unknown command {command!r}; the commands are {', '.join(COMMANDS[:-1])} "
             f"(python3 tasks.py --help says what each does)")
+    become_subreaper()
     # One temporary directory for everything this command starts (see own_temporary_directory).
     temporary = own_temporary_directory()
     os.environ["TMPDIR"] = str(temporary)

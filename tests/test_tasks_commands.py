@@ -278,12 +278,20 @@ def test_the_project_installed_from_another_checkout_is_noticed_and_installed_fr
 
 
 def test_the_health_check_of_the_real_environment_finds_nothing_within_half_a_second():
+    """Every command runs the check first. Measured as CPU time (the interpreter's start
+    included): on a loaded machine the wall-clock time measures the load."""
+    import resource
+
+    def cpu_of_children():
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
     tasks = load_tasks()
     times = []
     for _ in range(3):
-        started = time.perf_counter()
+        before = cpu_of_children()
         assert tasks.environment_problems() == []
-        times.append(time.perf_counter() - started)
+        times.append(cpu_of_children() - before)
     assert sorted(times)[1] < 0.5, times
 
 

@@ -101,7 +101,7 @@ def test_update_outputs_records_a_failure_only_where_a_page_shows_it(tmp_path):
     assert outputs["meant_to_fail"] == "RuntimeError: mat2 must be a matrix\n"
     # A failure no page documents is not recorded, and the session says why.
     assert outputs["broken"] == SNIPPETS["broken"][1]
-    assert ("FAILED tests/test_demo.py::test_example[broken] - snippets/demo/broken.py failed under "
+    assert ("snippets/demo/broken.py failed under "
             "--update-outputs, and it is not documented as an example meant to fail (no page that includes "
             "snippets/demo/broken.out introduces it as \"..., then the exception the ranks raised\"), so "
             "snippets/demo/broken.out was left as it is, and the run failed:") in out

@@ -49,7 +49,7 @@ def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     result = run_snippet(SNIPPET, 3, call="main")
     assert not result.ok and result.errors == [
         "ValueError: 8 samples do not split evenly over 3 ranks; "
-        "run on 2 or 4 ranks (the losses printed were checked on both)"]
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
     assert result.output == ""
 
 
