@@ -510,7 +510,7 @@ from mkdocs.__main__ import cli
 try:
     cli.commands["serve"].make_context("mkdocs serve", sys.argv[1:])
 except click.UsageError as error:
-    message = " ".join(error.format_message().split())
+    message = " ".join(error.format_message().split()).rstrip(".")
     print(f"tasks.py: serve: {message} (python3 tasks.py serve --help lists the options)", file=sys.stderr)
     sys.exit(2)
 """

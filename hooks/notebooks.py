@@ -72,8 +72,11 @@ def _install():
             return
         if path not in seen:
             seen.add(path)
-            with open(log_path, "a") as out:  # mode "a": not logged itself
-                out.write(path + "\\n")
+            try:
+                with open(log_path, "a") as out:  # mode "a": not logged itself
+                    out.write(path + "\\n")
+            except FileNotFoundError:  # the build that reads the log was stopped (Ctrl-C)
+                pass
     sys.addaudithook(audit)
 _install()
 # Chain to a sitecustomize that this one shadows, if there is one.

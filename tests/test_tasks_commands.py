@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from importlib.metadata import version
@@ -414,9 +415,71 @@ def test_help_is_the_usage_and_exit_0_and_no_command_is_exit_2():
 
 
 def test_serve_with_an_unknown_option_says_so_before_serving():
-    done = subprocess.run([sys.executable, "tasks.py", "serve", "--dev-addr", "127.0.0.1:8765", "--no-such-option"],
+    with socket.socket() as probe:  # a free port: the machine may serve something on any fixed one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "tasks.py", "serve", "--dev-addr", f"127.0.0.1:{port}", "--no-such-option"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.endswith("tasks.py: serve: No such option: --no-such-option "
+    assert done.stderr.endswith("tasks.py: serve: No such option '--no-such-option' "
                                 "(python3 tasks.py serve --help lists the options)\n"), done.stderr
     assert "Serving" not in done.stdout and "Traceback" not in done.stderr
+
+
+def free_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--dev-addr", "127.0.0.1:{port}"],  # NOTEBOOKS_EXECUTE=always: the first build runs the notebook
+    ["test", "-n", "0", "-p", "no:cacheprovider", "tests/test_site.py::test_site_builds_strict"],
+], ids=["serve", "test"])
+def test_ctrl_c_while_the_notebook_runs_leaves_no_process_and_no_file(args):
+    """Ctrl-C while the site's notebook executes (a Jupyter kernel in a session of its own, which
+    the terminal's signal does not reach, running a 2-rank torchrun): the command ends without
+    a traceback, and nothing it started is left running or on disk."""
+    import pty
+    import termios
+
+    import psutil
+
+    # A short temporary directory, as /tmp is: the kernel's IPC sockets go below it, and a
+    # socket's path has at most 107 bytes.
+    temporary = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    env = {**os.environ, "TMPDIR": str(temporary), "NOTEBOOKS_EXECUTE": "always"}
+    main_fd, terminal_fd = pty.openpty()
+    command = [sys.executable, "tasks.py", *(arg.format(port=free_local_port()) for arg in args)]
+    session = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal_fd, stdout=terminal_fd,
+                               stderr=terminal_fd, start_new_session=True,
+                               preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal_fd)
+    output = []
+    reader = __import__("threading").Thread(target=lambda: output.append(read_terminal(main_fd)), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        started = []
+        while not any("torch.distributed.run" in p.cmdline() for p in started):  # the cell's run
+            assert session.poll() is None and time.monotonic() < deadline, "the notebook never started"
+            time.sleep(0.2)
+            try:
+                started = psutil.Process(session.pid).children(recursive=True)
+            except psutil.Error:
+                started = []
+        time.sleep(2)  # its cell runs
+        started = psutil.Process(session.pid).children(recursive=True)
+        os.write(main_fd, b"\x03")
+        session.wait(timeout=120)
+    finally:
+        session.kill()
+    reader.join(timeout=30)
+    text = "".join(output)
+    assert session.returncode in (1, 2), text  # mkdocs' "Aborted!" during a build; pytest's interrupted session
+    assert "Traceback" not in text and "ZMQError" not in text, text
+    psutil.wait_procs(started, timeout=15)
+    assert [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == [], text
+    left = list(temporary.iterdir())
+    shutil.rmtree(temporary)
+    assert left == [], text
