@@ -1,5 +1,8 @@
 """The two commands (tasks.py) under misuse: an interrupted or concurrent install, a broken
-environment, a taken port, pytest options that turn xdist off, and the coverage gate from tests/.
+environment (a missing version, deleted files, the project not installed from this checkout),
+Ctrl-C (at a real pseudo-terminal, and a SIGINT to tasks.py alone) while pytest or the
+notebook runs, bad addresses, options and commands, pytest options that turn xdist off, and
+the coverage gate from tests/.
 
 The install cases run tasks.py for real in a scratch copy of the project whose
 constraints pin only pip itself, so an install there takes seconds, not minutes.
