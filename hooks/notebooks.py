@@ -72,8 +72,11 @@ def _install():
             return
         if path not in seen:
             seen.add(path)
-            with open(log_path, "a") as out:  # mode "a": not logged itself
-                out.write(path + "\\n")
+            try:
+                with open(log_path, "a") as out:  # mode "a": not logged itself
+                    out.write(path + "\\n")
+            except FileNotFoundError:  # the build that reads the log was stopped (Ctrl-C)
+                pass
     sys.addaudithook(audit)
 _install()
 # Chain to a sitecustomize that this one shadows, if there is one.
@@ -189,7 +192,12 @@ def execute(notebook: Path, root: Path, site_dir: Path, execute_it: bool = True)
             # No TCP ports: no unencrypted-TCP warning. The IPC sockets go to a temporary
             # directory, not to the kernel's working directory (docs/notebooks/).
             "KernelManager": {"transport": "ipc", "ip": str(Path(tmp) / "kernel")},
-            "ExecutePreprocessor": {**app.config["ExecutePreprocessor"], "timeout": CELL_TIMEOUT},
+            # "immediate": the kernel's process group is killed when the run ends. A build stopped
+            # by Ctrl-C while a cell runs otherwise asks the kernel to shut down, and the kernel
+            # prints a traceback on the terminal (ZMQError: Socket operation on non-socket) as
+            # the cell ends. The reads log is written path by path, so a kill loses none.
+            "ExecutePreprocessor": {**app.config["ExecutePreprocessor"], "timeout": CELL_TIMEOUT,
+                                    "shutdown_kernel": "immediate"},
         }))
         assert app.config.ExecutePreprocessor.enabled == execute_it
         assert not app.config.ExecutePreprocessor.allow_errors

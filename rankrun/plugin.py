@@ -2,7 +2,8 @@
 pyproject.toml, so every pytest run in the project has it, from any directory).
 
 - `expect_output(result, output_file)`: compare a run's transcript with an output file, or
-  rewrite it under `--update-outputs`; a mismatch names the pages that include the file.
+  rewrite it under `--update-outputs`; a mismatch names the pages that include the file. A run
+  that failed rewrites it only for an example documented as failing (see documented_failure).
 - `--changed`: only the tests the working tree's change can affect (rankrun.changed).
 - `--order declared|reverse|random[:SEED]`: run the tests in another order, to show that runs
   are independent.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import difflib
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -145,14 +147,79 @@ def output_mismatch(name: str, output_file: Path, expected: str, actual: str) ->
     )
 
 
+# How a page introduces the output block of an example meant to fail (docs/testing.md,
+# "Output blocks"; tests/test_output_blocks.py checks every block says it).
+FAILING_BLOCK_LABEL = "then the exception the ranks raised"
+# A line the runner adds to a transcript (RunResult.errors): `Type: message`, or how a rank ended.
+RUNNER_LINE = re.compile(r"^(?:(\w+(?:Error|Exception|Interrupt)): |rank \d+ (?:exited with code|killed by signal) )", re.M)
+INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')
+
+
+def documented_failure(output_file: Path) -> str | None:
+    """Where the example of `output_file` is documented as failing, or None: a page that includes
+    the file introduces its block as "…, then the exception the ranks raised", or (for a file no
+    page includes) the committed file already ends in the exception."""
+    shown = str(output_file.relative_to(ROOT))
+    for page in pages_including(output_file):
+        lines = (ROOT / page).read_text().splitlines()
+        for index, line in enumerate(lines):
+            if shown not in INCLUDE.findall(line):
+                continue
+            before = index - 1
+            while before >= 0 and (not lines[before].strip() or lines[before].lstrip().startswith(("```", "~~~"))):
+                before -= 1
+            paragraph = []
+            while before >= 0 and lines[before].strip():
+                paragraph.insert(0, lines[before].strip())
+                before -= 1
+            if FAILING_BLOCK_LABEL in " ".join(paragraph):
+                return page
+    if output_file.exists() and RUNNER_LINE.search(output_file.read_text()):
+        return shown
+    return None
+
+
+def refuse_update(result: RunResult, output_file: Path) -> str | None:
+    """Why `--update-outputs` must not record this run's transcript in `output_file`, or None."""
+    shown = output_file.relative_to(ROOT)
+    if result.ok:
+        return None
+    left = f"{shown} was left as it is, and the run failed:\n{result.failure_report()}\n"
+    if result.timed_out:
+        return f"{result.name} timed out under --update-outputs; " + left
+    where = documented_failure(output_file)
+    if where is None:
+        return (
+            f"{result.name} failed under --update-outputs, and it is not documented as an example meant "
+            f"to fail (no page that includes {shown} introduces it as \"..., {FAILING_BLOCK_LABEL}\"), so "
+            + left + "Fix the example. If it is meant to fail, say so on its page (docs/testing.md, "
+            "\"Output blocks\") and run --update-outputs again."
+        )
+    committed = output_file.read_text() if output_file.exists() else ""
+    shown_types = {match for match in RUNNER_LINE.findall(committed) if match}
+    raised_types = {match for match in RUNNER_LINE.findall(result.transcript()) if match}
+    if shown_types and shown_types != raised_types:
+        return (
+            f"{result.name} is documented as failing with {', '.join(sorted(shown_types))} ({shown}), but this "
+            f"run ended with {', '.join(sorted(raised_types)) or 'no exception'}; "
+            + left + f"If the new failure is the one its page should show, remove {shown} and run "
+            "--update-outputs again."
+        )
+    return None
+
+
 @pytest.fixture
 def expect_output(request):
-    """Compare a run's transcript with an output file, or rewrite it under --update-outputs."""
+    """Compare a run's transcript with an output file, or rewrite it under --update-outputs
+    (a failed run only for an example documented as failing, with the exception it shows)."""
     update = request.config.getoption("--update-outputs")
 
     def check(result: RunResult, output_file: Path) -> None:
         actual = result.transcript()
         if update:
+            refused = refuse_update(result, output_file)
+            if refused:
+                pytest.fail(refused, pytrace=False)
             output_file.write_text(actual)
             return
         if not output_file.exists():

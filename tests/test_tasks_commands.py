@@ -1,5 +1,8 @@
 """The two commands (tasks.py) under misuse: an interrupted or concurrent install, a broken
-environment, a taken port, pytest options that turn xdist off, and the coverage gate from tests/.
+environment (a missing version, deleted files, the project not installed from this checkout),
+Ctrl-C (at a real pseudo-terminal, and a SIGINT to tasks.py alone) while pytest or the
+notebook runs, bad addresses, options and commands, pytest options that turn xdist off, and
+the coverage gate from tests/.
 
 The install cases run tasks.py for real in a scratch copy of the project whose
 constraints pin only pip itself, so an install there takes seconds, not minutes.
@@ -15,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from importlib.metadata import version
@@ -54,42 +58,54 @@ def installed_scratch_project(tmp_path_factory):
 def make_scratch_project(tmp_path: Path) -> Path:
     """tasks.py with a tiny project beside it: installing it only needs what is on disk."""
     shutil.copy(ROOT / "tasks.py", tmp_path / "tasks.py")
-    (tmp_path / "constraints.txt").write_text(f"iniconfig=={SMALL_PIN}\n")
+    (tmp_path / "constraints.txt").write_text(f"iniconfig=={SMALL_PIN}\nsetuptools=={version('setuptools')}\n")
     (tmp_path / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n'
         '[project]\nname = "scratch"\nversion = "0"\n[project.optional-dependencies]\ntest = []\n'
-        '[tool.setuptools]\npy-modules = []\n'
+        '[project.entry-points.pytest11]\nscratch = "scratchpkg.plugin"\n'
+        '[tool.setuptools]\npackages = ["scratchpkg"]\n'
     )
+    (tmp_path / "scratchpkg").mkdir()
+    (tmp_path / "scratchpkg" / "__init__.py").write_text("")
+    (tmp_path / "scratchpkg" / "plugin.py").write_text("")
     vendor = ROOT / "docs" / "assets" / "vendor"
     shutil.copytree(vendor, tmp_path / "docs" / "assets" / "vendor", symlinks=False)
-    # The scratch project installs one small pinned distribution instead of torch, deepspeed
-    # and the project; every other line of tasks.py is the real one.
+    # The scratch project installs one small pinned distribution instead of torch and deepspeed,
+    # then itself (editable, with its entry point); every other line of tasks.py is the real one.
     text = (tmp_path / "tasks.py").read_text()
-    for step in ('pip_install("torch", "setuptools")', 'pip_install("--no-build-isolation", "deepspeed")',
-                 'pip_install("--no-build-isolation", "-e", ".[test,lint,notebook,transformers]")'):
+    for step, instead in (('pip_install("torch", "setuptools")', 'pip_install("iniconfig", "setuptools")'),
+                          ('pip_install("--no-build-isolation", "deepspeed")', 'pass'),
+                          ('pip_install("--no-build-isolation", "-e", ".[test,lint,notebook,transformers]")',
+                           'pip_install("--no-build-isolation", "-e", ".[test]")')):
         assert step in text, step
-        text = text.replace(step, 'pip_install("iniconfig")')
+        text = text.replace(step, instead)
     (tmp_path / "tasks.py").write_text(text)
     return tmp_path
 
 
-def run_tasks(project: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_tasks(project: Path, *args: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tasks.py", *args], cwd=project, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
-def test_an_install_interrupted_while_creating_the_environment_is_redone(scratch_project):
-    # Ctrl-C one second into the first install: venv.create is still running (ensurepip).
+def test_an_install_interrupted_while_creating_the_environment_is_redone(scratch_project, tmp_path):
+    # Ctrl-C while venv.create is still running (ensurepip): it ends, and leaves no file of its own.
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     install = subprocess.Popen([sys.executable, "tasks.py", "install"], cwd=scratch_project,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (scratch_project / ".venv" / "bin" / "python").exists() and time.monotonic() < deadline:
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(temporary)})
+    deadline = time.monotonic() + 120
+    while not any(temporary.rglob("tmp*")) and time.monotonic() < deadline:  # ensurepip's, with its wheels
         time.sleep(0.05)
+    assert (scratch_project / ".venv" / "bin" / "python").exists()
     install.send_signal(signal.SIGINT)
-    install.communicate(timeout=60)
-    assert install.returncode != 0
+    _, err = install.communicate(timeout=60)
+    assert install.returncode == 130, err
+    assert err.endswith("tasks.py: interrupted\n"), err
     venv = scratch_project / ".venv"
     assert venv.exists() and not (venv / ".created").exists()  # a half-made environment was left
+    assert list(temporary.iterdir()) == []  # ensurepip's copy of the wheels went with it
 
     again = run_tasks(scratch_project, "install")
     assert again.returncode == 0, again.stderr
@@ -207,3 +223,266 @@ def test_the_deepspeed_op_is_compiled_before_the_tests_only_when_missing(tmp_pat
     (op / "deepspeed_shm_comm.so").write_bytes(b"")
     tasks.build_deepspeed_op()
     assert len(calls) == 1  # already compiled: nothing to do
+
+
+# --- The environment check sees a broken install, not only versions.
+
+def scratch_python(project: Path) -> Path:
+    return project / ".venv" / "bin" / "python"
+
+
+def test_an_uninstalled_project_is_noticed_and_installed_again(installed_scratch_project):
+    """Without the project's own install pytest runs without the harness's plugin (its options
+    unknown: `'Namespace' object has no attribute '--order'`); the check names it and repairs."""
+    project, python = installed_scratch_project, scratch_python(installed_scratch_project)
+    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", "scratch"], check=True, capture_output=True)
+
+    repaired = run_tasks(project, "install")
+    assert repaired.returncode == 0, repaired.stderr
+    assert ("the environment does not match constraints.txt; repairing it:\n"
+            "  scratch (this project, pip install -e .): not installed\n") in repaired.stdout
+    entry_points = "from importlib.metadata import entry_points; print(entry_points(group='pytest11')['scratch'].value)"
+    assert subprocess.run([python, "-I", "-c", entry_points], capture_output=True, text=True).stdout == "scratchpkg.plugin\n"
+    assert "repairing" not in run_tasks(project, "install").stdout
+
+
+def test_a_package_whose_files_are_gone_is_noticed_and_reinstalled(installed_scratch_project):
+    """pip keeps a distribution whose files were deleted for installed (its metadata is there):
+    the check finds its module missing, and the repair reinstalls it at its pinned version."""
+    project, python = installed_scratch_project, scratch_python(installed_scratch_project)
+    where = subprocess.run([python, "-c", "import iniconfig; print(iniconfig.__file__)"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    shutil.rmtree(Path(where).parent)  # the package's files; iniconfig-*.dist-info stays
+    assert subprocess.run([python, "-m", "pip", "show", "-q", "iniconfig"], capture_output=True).returncode == 0
+
+    repaired = run_tasks(project, "install")
+    assert repaired.returncode == 0, repaired.stderr
+    assert (f"repairing it:\n  iniconfig=={SMALL_PIN}: installed, but its files are gone (no module 'iniconfig')\n"
+            in repaired.stdout)
+    assert f"--force-reinstall --no-deps iniconfig=={SMALL_PIN}" in repaired.stdout
+    assert subprocess.run([python, "-c", "import iniconfig"]).returncode == 0
+    assert "repairing" not in run_tasks(project, "install").stdout
+
+
+def test_the_project_installed_from_another_checkout_is_noticed_and_installed_from_this_one(
+        installed_scratch_project, tmp_path):
+    project, python = installed_scratch_project, scratch_python(installed_scratch_project)
+    other = tmp_path / "other-checkout"
+    shutil.copytree(project, other, ignore=shutil.ignore_patterns(".venv", "*.egg-info", "build"))
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", other],
+                   check=True, capture_output=True)
+
+    repaired = run_tasks(project, "install")
+    assert repaired.returncode == 0, repaired.stderr
+    assert (f"  scratch (this project): scratchpkg.plugin is imported from {os.path.realpath(other)}/scratchpkg/"
+            f"__init__.py, not from {os.path.realpath(project)}\n") in repaired.stdout
+    where = subprocess.run([python, "-I", "-c", "import scratchpkg; print(scratchpkg.__file__)"], capture_output=True,
+                           text=True).stdout
+    assert where == f"{os.path.realpath(project)}/scratchpkg/__init__.py\n"
+
+
+def test_the_health_check_of_the_real_environment_finds_nothing_within_half_a_second():
+    """Every command runs the check first. Measured as CPU time (the interpreter's start
+    included): on a loaded machine the wall-clock time measures the load."""
+    import resource
+
+    def cpu_of_children():
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    tasks = load_tasks()
+    times = []
+    for _ in range(3):
+        before = cpu_of_children()
+        assert tasks.environment_problems() == []
+        times.append(cpu_of_children() - before)
+    assert sorted(times)[1] < 0.5, times
+
+
+# --- Interrupting the commands: the child ends in its own way, and nothing is left behind.
+
+WAITING_TESTS = '''
+import os, time
+from pathlib import Path
+
+def test_passes():
+    pass
+
+def test_waits():
+    Path(os.environ["WAITING_FILE"]).write_text("")
+    time.sleep(120)
+'''
+
+
+def start_waiting_session(tmp_path: Path, workers: str, terminal: bool):
+    """`tasks.py test -n <workers>` on a test that waits, in this checkout; returns it once the
+    test waits. With `terminal`, it runs on a pseudo-terminal of its own, as in a shell."""
+    (tmp_path / "case").mkdir()
+    (tmp_path / "case" / "test_waiting.py").write_text(WAITING_TESTS)
+    (tmp_path / "tmp").mkdir()
+    waiting = tmp_path / "waiting"
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "WAITING_FILE": str(waiting)}
+    command = [sys.executable, "tasks.py", "test", "-n", workers, "-p", "no:cacheprovider", str(tmp_path / "case")]
+    if terminal:
+        import pty
+        import termios
+
+        main_fd, terminal_fd = pty.openpty()
+        session = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal_fd, stdout=terminal_fd,
+                                   stderr=terminal_fd, start_new_session=True,
+                                   preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(terminal_fd)
+        session.terminal = main_fd
+    else:
+        session = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+    deadline = time.monotonic() + 120
+    while not waiting.exists():
+        assert session.poll() is None and time.monotonic() < deadline, "the test never started"
+        time.sleep(0.05)
+    return session
+
+
+def read_terminal(fd: int) -> str:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: every process of the terminal has closed it
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_sigint_to_tasks_py_lets_pytest_finish_its_session(tmp_path, workers):
+    """A SIGINT sent to tasks.py alone (kill -INT, a supervisor) reaches pytest, which ends its
+    session as it does on Ctrl-C: its summary, its temporary directory removed; tasks.py waits."""
+    import psutil
+
+    session = start_waiting_session(tmp_path, workers, terminal=False)
+    below = psutil.Process(session.pid).children(recursive=True)
+    session.send_signal(signal.SIGINT)
+    try:
+        output, _ = session.communicate(timeout=60)
+    finally:
+        session.kill()
+    assert session.returncode == 2, output  # pytest's exit status for an interrupted session
+    assert "KeyboardInterrupt" in output and "1 passed" in output, output
+    assert "Traceback" not in output, output
+    psutil.wait_procs(below, timeout=10)
+    assert not [p for p in below if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the session's directory went with it
+
+
+def test_ctrl_c_at_the_terminal_lets_pytest_finish_its_session(tmp_path):
+    """Ctrl-C in a terminal reaches tasks.py, pytest and its workers at once: pytest ends its
+    session once (tasks.py passes nothing on) and tasks.py waits for it."""
+    session = start_waiting_session(tmp_path, "2", terminal=True)
+    os.write(session.terminal, b"\x03")  # the terminal sends SIGINT to the foreground job
+    try:
+        session.wait(timeout=60)
+    finally:
+        session.kill()
+    output = read_terminal(session.terminal)
+    assert session.returncode == 2, output
+    assert "KeyboardInterrupt" in output and "1 passed" in output, output
+    assert "Traceback" not in output, output
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+# --- Command-line mistakes: one line, exit 2, before any work.
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--dev-addr", "127.0.0.1:99999"], "--dev-addr 127.0.0.1:99999: the port must be from 1 to 65535, not 99999"),
+    (["serve", "--dev-addr=garbage"], "--dev-addr 'garbage' is not host:port (for example 127.0.0.1:8001)"),
+    (["serve", "-a", "127.0.0.1:"], "--dev-addr '127.0.0.1:' is not host:port (for example 127.0.0.1:8001)"),
+    (["serve", "--dev-addr", "192.0.2.1:8001"], "cannot serve on http://192.0.2.1:8001/: Cannot assign requested address"),
+    (["frobnicate"], "unknown command 'frobnicate'; the commands are serve, test, notebook, matrix "
+                     "(python3 tasks.py --help says what each does)"),
+])
+def test_a_mistake_on_the_command_line_is_one_line_and_exit_2(args, message):
+    done = subprocess.run([sys.executable, "tasks.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", f"tasks.py: {message}\n")
+
+
+def test_help_is_the_usage_and_exit_0_and_no_command_is_exit_2():
+    tasks = load_tasks()
+    done = subprocess.run([sys.executable, "tasks.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, tasks.__doc__ + "\n", "")
+    bare = subprocess.run([sys.executable, "tasks.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (bare.returncode, bare.stdout, bare.stderr) == (2, "", tasks.__doc__ + "\n")
+
+
+def test_serve_with_an_unknown_option_says_so_before_serving():
+    with socket.socket() as probe:  # a free port: the machine may serve something on any fixed one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "tasks.py", "serve", "--dev-addr", f"127.0.0.1:{port}", "--no-such-option"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.endswith("tasks.py: serve: No such option '--no-such-option' "
+                                "(python3 tasks.py serve --help lists the options)\n"), done.stderr
+    assert "Serving" not in done.stdout and "Traceback" not in done.stderr
+
+
+def free_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--dev-addr", "127.0.0.1:{port}"],  # NOTEBOOKS_EXECUTE=always: the first build runs the notebook
+    ["test", "-n", "0", "-p", "no:cacheprovider", "tests/test_site.py::test_site_builds_strict"],
+], ids=["serve", "test"])
+def test_ctrl_c_while_the_notebook_runs_leaves_no_process_and_no_file(args):
+    """Ctrl-C while the site's notebook executes (a Jupyter kernel in a session of its own, which
+    the terminal's signal does not reach, running a 2-rank torchrun): the command ends without
+    a traceback, and nothing it started is left running or on disk."""
+    import pty
+    import termios
+
+    import psutil
+
+    # A short temporary directory, as /tmp is: the kernel's IPC sockets go below it, and a
+    # socket's path has at most 107 bytes.
+    temporary = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    env = {**os.environ, "TMPDIR": str(temporary), "NOTEBOOKS_EXECUTE": "always"}
+    main_fd, terminal_fd = pty.openpty()
+    command = [sys.executable, "tasks.py", *(arg.format(port=free_local_port()) for arg in args)]
+    session = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal_fd, stdout=terminal_fd,
+                               stderr=terminal_fd, start_new_session=True,
+                               preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal_fd)
+    output = []
+    reader = __import__("threading").Thread(target=lambda: output.append(read_terminal(main_fd)), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        started = []
+        while not any("torch.distributed.run" in p.cmdline() for p in started):  # the cell's run
+            assert session.poll() is None and time.monotonic() < deadline, "the notebook never started"
+            time.sleep(0.2)
+            try:
+                started = psutil.Process(session.pid).children(recursive=True)
+            except psutil.Error:
+                started = []
+        time.sleep(2)  # its cell runs
+        started = psutil.Process(session.pid).children(recursive=True)
+        os.write(main_fd, b"\x03")
+        session.wait(timeout=120)
+    finally:
+        session.kill()
+    reader.join(timeout=30)
+    text = "".join(output)
+    assert session.returncode in (1, 2), text  # mkdocs' "Aborted!" during a build; pytest's interrupted session
+    assert "Traceback" not in text and "ZMQError" not in text, text
+    psutil.wait_procs(started, timeout=15)
+    assert [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == [], text
+    left = list(temporary.iterdir())
+    shutil.rmtree(temporary)
+    assert left == [], text

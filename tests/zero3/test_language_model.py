@@ -39,6 +39,16 @@ def test_zero3_matches_plain_pytorch(world_size, reference, expect_output):
     expect_output(result, output_file(SNIPPET))
 
 
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""
+
+
 @pytest.mark.slow  # torchrun and two new interpreters: what the pool saves everywhere else
 def test_documented_torchrun_command_prints_the_output_file():
     """The command on the page, run for real: torchrun, 2 CPU processes."""
