@@ -79,7 +79,7 @@ def main():
                                "--output_folder", os.path.join(directory, "universal")],
                               capture_output=True, text=True)
         # --8<-- [end:universal]
-        last_line = (done.stderr.strip().splitlines() or [""])[-1]
+        last_line = done.stderr.strip().splitlines()[-1].replace(folder, "<folder>")
         print(f"keys: {sorted(plain_state_dict(folder))}")
         print(f"next step's loss: pipeline {evaluated:.4f}, one process {plain:.4f}")
         print(f"ds_to_universal: exit {done.returncode}, last line: {last_line}")

@@ -9,6 +9,7 @@ directory; load them in one process with LlamaForCausalLM.from_pretrained(folder
 """
 import logging
 import os
+import re
 import tempfile
 
 import accelerate
@@ -99,14 +100,17 @@ def weight_files(folder):
 
 
 def error_text(call):
+    """The error `call` raised. safetensors names the tensors in a Python set, whose order
+    changes from run to run: printed sorted."""
     try:
         call()
     except Exception as error:  # noqa: BLE001 - the error is what the case shows
-        return f"{type(error).__name__}: {' '.join(str(error).split())}"
+        text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+        return re.sub(r"\{('[^{}]*')\}", lambda m: "{" + ", ".join(sorted(m[1].split(", "))) + "}", text)
     return None
 
 
-def broken_ties(saved):
+def broken_ties(saved, warnings):
     """Two ways a reader's code breaks the tie when saving, in one process (no DeepSpeed)."""
     results = {}
     # --8<-- [start:save_file]
@@ -124,8 +128,10 @@ def broken_ties(saved):
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone() * 2)
     untied = tempfile.mkdtemp(prefix="untied-")
     model.save_pretrained(untied)  # ...but the config still says tie_word_embeddings=True
+    warnings.messages.clear()
     reloaded = LlamaForCausalLM.from_pretrained(untied)
     # --8<-- [end:untie]
+    results["untied_warnings"] = list(warnings.messages)
     results["untied_keys"] = sorted(safetensors.torch.load_file(
         os.path.join(untied, "model.safetensors")))
     results["untied_reloaded"] = {
@@ -135,8 +141,10 @@ def broken_ties(saved):
     model.config.tie_word_embeddings = False  # say what the model is, then save
     fixed = tempfile.mkdtemp(prefix="untied-fixed-")
     model.save_pretrained(fixed)
+    warnings.messages.clear()
     reloaded = LlamaForCausalLM.from_pretrained(fixed)
     # --8<-- [end:untie_fix]
+    results["fixed_warnings"] = list(warnings.messages)
     results["fixed_keys"] = sorted(safetensors.torch.load_file(
         os.path.join(fixed, "model.safetensors")))
     results["fixed_reloaded"] = {
@@ -174,7 +182,7 @@ def main():
     fresh_accelerate_state()
     transformers.integrations.deepspeed.unset_hf_deepspeed_config()  # one process from here
     if rank == 0:
-        results["broken"] = broken_ties(saved)
+        results["broken"] = broken_ties(saved, warnings)
         for key, value in results["broken"].items():
             print(f"{key}: {value}")
     torch.distributed.barrier()

@@ -12,6 +12,7 @@ import io
 import os
 import subprocess
 import sys
+import traceback
 
 import deepspeed
 import torch
@@ -25,10 +26,13 @@ SAVED = os.path.join(CHECKPOINTS, "2-ranks", "tied")  # written by zero3_checkpo
 
 
 def error_text(call):
+    """The error `call` raised, with the DeepSpeed function that raised it."""
     try:
         call()
     except Exception as error:  # noqa: BLE001 - the error is what the case shows
-        return f"{type(error).__name__}: {' '.join(str(error).split())}"
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        raised_in = f"{os.path.basename(where.filename)}, {where.name}"
+        return f"{type(error).__name__}: {' '.join(str(error).split())} ({raised_in})"
     return None
 
 
@@ -45,8 +49,8 @@ def main():
 
     # --8<-- [start:as_is]
     engine = new_engine(TiedModel, ds_config(world))
-    # --8<-- [end:as_is]
     results["as is"] = error_text(lambda: engine.load_checkpoint(SAVED))
+    # --8<-- [end:as_is]
     results["as is errors"] = [None] * world
     torch.distributed.all_gather_object(results["as is errors"], results["as is"])
 

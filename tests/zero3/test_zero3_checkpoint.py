@@ -16,7 +16,7 @@ from rankrun.tolerance import assert_matches
 SNIPPET = "snippets/zero3/zero3_checkpoint.py"
 # Two trainings, two runs of the zero_to_fp32.py script (a new interpreter each) per launch.
 TIMEOUT = 600
-SHARED_MESSAGE = ("Some tensors share memory, this will lead to duplicate memory on disk and "
+SHARED_MESSAGE = ("RuntimeError: Some tensors share memory, this will lead to duplicate memory on disk and "
                   "potential differences when loading them again: [{'embeddings.weight', 'head.weight'}]")
 
 
