@@ -36,8 +36,8 @@ class PlainModel(nn.Module):
 
 
 def plain_state_dict(folder):
-    """One state dict from the per-layer files: layer 0 holds the tied weight, layer 3 (the
-    head) has no file, layers 1 and 2 are the mixers."""
+    """One state dict from the per-layer files: layer 0 holds the tied weight,
+    layer 3 (the head) has no file, layers 1 and 2 are the mixers."""
     def layer(index):
         path = os.path.join(folder, f"layer_{index:02d}-model_states.pt")
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -71,11 +71,12 @@ def main():
         model.load_state_dict(plain_state_dict(folder))  # strict: every key, once
         with torch.no_grad():
             batches = list(micro_batches(SAVED_AFTER))
-            plain = sum(cross_entropy(model(x), y).item() for x, y in batches) / len(batches)
+            each = [cross_entropy(model(x), y).item() for x, y in batches]
+            plain = sum(each) / len(each)
         # --8<-- [end:load]
         # --8<-- [start:universal]
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                               "--input_folder", folder,
+        converter = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+        done = subprocess.run([*converter, "--input_folder", folder,
                                "--output_folder", os.path.join(directory, "universal")],
                               capture_output=True, text=True)
         # --8<-- [end:universal]

@@ -29,8 +29,9 @@ VOCAB, SEQ, EXAMPLES, STEPS, SEED, LR = 32, 6, 8, 3, 0, 0.1
 def save_tiny_llama():
     """A causal LM whose lm_head is its input embedding, saved for from_pretrained."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=16, tie_word_embeddings=True)
+                         num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=16,
+                         tie_word_embeddings=True)
     torch.manual_seed(SEED)
     directory = tempfile.mkdtemp(prefix="tiny-llama-")
     LlamaForCausalLM(config).save_pretrained(directory)
@@ -50,8 +51,10 @@ def training_arguments(world_size, gather_on_save):
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
         # --8<-- [start:gather]
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_gather_16bit_weights_on_model_save": gather_on_save},
+        "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": gather_on_save,
+        },
         # --8<-- [end:gather]
         "zero_allow_untested_optimizer": True,
     }
@@ -119,7 +122,7 @@ def broken_ties(saved, warnings):
     # state_dict() holds the tied weight under both names, one storage:
     results["save_file"] = error_text(
         lambda: safetensors.torch.save_file(model.state_dict(), path))
-    safetensors.torch.save_model(model, path)  # the fix: one copy, the other name dropped
+    safetensors.torch.save_model(model, path)  # the fix: one copy, one name kept
     # --8<-- [end:save_file]
     results["save_model_keys"] = sorted(safetensors.torch.load_file(path))
     # --8<-- [start:untie]
@@ -127,7 +130,7 @@ def broken_ties(saved, warnings):
     # The reader gives the head its own copy to train it apart from the embedding...
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone() * 2)
     untied = tempfile.mkdtemp(prefix="untied-")
-    model.save_pretrained(untied)  # ...but the config still says tie_word_embeddings=True
+    model.save_pretrained(untied)  # ...the config still says tie_word_embeddings=True
     warnings.messages.clear()
     reloaded = LlamaForCausalLM.from_pretrained(untied)
     # --8<-- [end:untie]

@@ -158,8 +158,8 @@ def sorted_sets(text):
 def run_script(directory, output_dir, *options):
     """The zero_to_fp32.py that save_checkpoint copied into the folder, run as a reader would."""
     # --8<-- [start:script]
-    command = [sys.executable, os.path.join(directory, "zero_to_fp32.py"), directory, output_dir,
-               *options]
+    script = os.path.join(directory, "zero_to_fp32.py")
+    command = [sys.executable, script, directory, output_dir, *options]
     # --8<-- [end:script]
     done = subprocess.run(command, capture_output=True, text=True)
     # The script's last words: the error its traceback ends with (here a RuntimeError).
@@ -182,8 +182,8 @@ def save_and_reload(name, rank, world):
     if rank != 0:
         return result
     # --8<-- [start:consolidate]
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints progress and the path
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(directory)  # the latest tag
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its progress
+        state_dict = get_fp32_state_dict_from_zero_checkpoint(directory)  # latest tag
     # --8<-- [end:consolidate]
     sixteen_bit = torch.load(os.path.join(directory, "model_16bit.bin"), weights_only=True)
     scripts = {}

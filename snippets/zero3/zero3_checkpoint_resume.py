@@ -56,7 +56,8 @@ def main():
 
     # --8<-- [start:universal]
     if rank == 0:  # one process converts the 2-rank files into per-parameter files
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        converter = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+        done = subprocess.run([*converter,
                                "--input_folder", os.path.join(SAVED, "global_step2"),
                                "--output_folder", os.path.join(SAVED, "universal")],
                               capture_output=True, text=True)
@@ -69,7 +70,8 @@ def main():
     model = TiedModel()
     model.load_state_dict(state_dict)  # before initialize: ZeRO-3 partitions it there
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)  # plain SGD keeps no state
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(world))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=ds_config(world))
     results["weights only"] = resume(engine)
     # --8<-- [end:weights]
 

@@ -74,7 +74,8 @@ def test_save_model_then_from_pretrained_in_one_process(world_size, reference, e
         assert_matches(result.returned(rank)["logits"], logits, f"rank {rank} ZeRO-3 logits")
     assert torch.equal(greedy(reloaded, inputs), greedy(trained, inputs))
     # stage3_gather_16bit_weights_on_model_save false: save_model writes no model weights.
-    assert got["gather_off"]["files"] == []
+    assert "model.safetensors" not in got["gather_off"]["files"]
+    assert {"global_step3", "zero_to_fp32.py"} <= set(got["gather_off"]["files"])
     assert any(GATHER_OFF in message for message in got["gather_off"]["warnings"])
     broken = got["broken"]
     # safetensors' save_file refuses the two names of one storage; its save_model keeps one.
