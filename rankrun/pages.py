@@ -43,6 +43,14 @@ def documented_world_size(snippet: Path) -> int:
     return commands[0][0]
 
 
+def runs_before(snippet: Path) -> list[tuple[str, int]]:
+    """The other examples the snippet's docstring says to run first, with their rank counts:
+    the torchrun commands it documents for other files, before its own."""
+    commands = TORCHRUN.findall((ROOT / snippet).read_text())
+    own = [i for i, (_, path) in enumerate(commands) if path == str(snippet)]
+    return [(path, int(n)) for n, path in commands[:own[0]] if path != str(snippet)] if own else []
+
+
 def pages_including(path: str | Path) -> list[str]:
     """The pages (docs/...) that include the file at `path` (relative to the project, or
     absolute under it) with --8<--, whole or a section of it."""

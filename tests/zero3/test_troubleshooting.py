@@ -20,6 +20,17 @@ SOURCES = {
     "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
+    # Saving and loading shared weights (docs/zero3/saving-shared-weights.md)
+    "RuntimeError: Some tensors share memory, this will lead to duplicate memory on disk and potential "
+    "differences when loading them again": ["zero3_checkpoint.out", "../transformers/tied_causal_lm.out"],
+    "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2 but the current world size "
+    "is 4. Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not "
+    "currently supported.": ["zero3_checkpoint_resume.out"],
+    "KeyError: 0": ["zero3_checkpoint_resume.out"],
+    "FileNotFoundError: can't find *_optim_states.pt files in directory '<folder>'": [
+        "../pipeline/pipeline_to_plain.out"],
+    "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
+    "zero_to_fp32.py to recover weights": ["../transformers/tied_causal_lm.out"],
 }
 
 
