@@ -32,6 +32,8 @@ def test_the_fix_trains_like_one_process(world_size, expect_output):
         got = result.returned(rank)
         assert got["shape"] == (0,), got["shape"]  # built partitioned by zero.Init
         assert got["initial"].keys() == initial.keys()
+        # Transformers initialized the weights as GPT-2 does: N(0, initializer_range = 0.02).
+        assert abs(initial["transformer.wte.weight"].std().item() - 0.02) < 0.004
         assert_same_training(got, reference, f"rank {rank}")
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))

@@ -32,6 +32,10 @@ def test_the_fix_trains_like_one_process(world_size, expect_output):
         got = result.returned(rank)
         assert got["shape"] == (0,), got["shape"]  # built partitioned by zero.Init
         assert got["initial"].keys() == initial.keys()
+        # Transformers did not initialize the weights: built under a zero.Init of the reader's,
+        # the embeddings keep torch's nn.Embedding initialization, N(0, 1), and not GPT-2's
+        # N(0, initializer_range = 0.02).
+        assert abs(initial["transformer.wte.weight"].std().item() - 1.0) < 0.2
         assert_same_training(got, reference, f"rank {rank}")
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))

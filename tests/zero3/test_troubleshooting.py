@@ -20,6 +20,9 @@ SOURCES = {
     "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
+    "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
+    "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
+    "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
 }
 
 
