@@ -16,7 +16,7 @@ TIMEOUTS = {
     "snippets/transformers/import_inside_zero_init.py": 600.0,
     "snippets/transformers/import_first_zero_init.py": 600.0,
     "snippets/transformers/hf_config_zero_init.py": 600.0,
-    # Nine new interpreters of its own, most of them importing Transformers.
+    # Ten new interpreters of its own, most of them importing Transformers.
     "snippets/transformers/first_imports_inside_zero_init.py": 900.0,
 }
 

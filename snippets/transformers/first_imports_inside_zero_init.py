@@ -60,6 +60,12 @@ def dynamo_imported_first():  # pragma: no cover - runs in a fresh process
     import torch._dynamo  # noqa: F401
 
     return compile_a_module()
+
+
+def compile_after_the_block():  # pragma: no cover - runs in a fresh process
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3):
+        model = torch.nn.Linear(4, 4)
+    return torch.compile(model)
 # --8<-- [end:cases]
 
 
@@ -81,6 +87,7 @@ CASES = {
     "GPT2LMHeadModel(config)": concrete_class,
     "GPT2LMHeadModel imported before, then the Auto class": class_imported_first,
     "import torch._dynamo before, then torch.compile": dynamo_imported_first,
+    "torch.compile after the block": compile_after_the_block,
 }
 
 
