@@ -82,3 +82,24 @@ def backward_over_micro_batches(micro_batches, loss_of):
         (loss / len(micro_batches)).backward()
         total += loss.item()
     return total / len(micro_batches)
+
+
+def train_causal_lm_in_one_process(model, initial, batches, lr):
+    """A Hugging Face causal LM trained with plain SGD from the weights `initial` (name ->
+    full tensor, as an example gathered them under ZeRO-3): each step's loss (the model's own,
+    labels = inputs) and every full gradient."""
+    with torch.no_grad():
+        parameters = dict(model.named_parameters())
+        assert parameters.keys() == initial.keys(), (sorted(parameters), sorted(initial))
+        for name, parameter in parameters.items():
+            parameter.copy_(initial[name])
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grads

@@ -12,6 +12,20 @@ TIMEOUTS = {
     "snippets/zero3/automatic_detection.py": 600.0,
     # 11 ZeRO-3 trainings of a 4 MiB embedding; about 90 s in the warm pool on a loaded machine.
     "snippets/zero3/sharing_cost.py": 600.0,
+    # Importing Transformers in new interpreters (below), on a loaded machine.
+    "snippets/transformers/import_inside_zero_init.py": 600.0,
+    "snippets/transformers/import_first_zero_init.py": 600.0,
+    "snippets/transformers/hf_config_zero_init.py": 600.0,
+    # Ten new interpreters of its own, most of them importing Transformers.
+    "snippets/transformers/first_imports_inside_zero_init.py": 900.0,
+}
+
+# Snippets whose outcome depends on what the process imported before them: the warm pool's
+# ranks have imported torch._dynamo, so these run in new interpreters, as torchrun starts them.
+FRESH = {
+    "snippets/transformers/import_inside_zero_init.py",
+    "snippets/transformers/import_first_zero_init.py",
+    "snippets/transformers/hf_config_zero_init.py",
 }
 
 
@@ -21,5 +35,6 @@ def test_snippet_prints_its_output_file(snippet, expect_output):
     # comes first (in a test session it is made once, and its files stay in the session's TMPDIR).
     for other, ranks in runs_before(snippet):
         run_snippet(other, world_size=ranks, timeout=TIMEOUTS.get(other, 120.0)).check()
-    result = run_snippet(snippet, world_size=documented_world_size(snippet), timeout=TIMEOUTS.get(str(snippet), 120.0))
+    result = run_snippet(snippet, world_size=documented_world_size(snippet), timeout=TIMEOUTS.get(str(snippet), 120.0),
+                         fresh=str(snippet) in FRESH)
     expect_output(result, output_file(snippet))

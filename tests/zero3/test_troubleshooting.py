@@ -31,6 +31,9 @@ SOURCES = {
         "../pipeline/pipeline_to_plain.out"],
     "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
     "zero_to_fp32.py to recover weights": ["../transformers/tied_causal_lm.out"],
+    "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
+    "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
+    "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
 }
 
 

@@ -1,0 +1,39 @@
+"""snippets/transformers/hf_config_zero_init.py (Fix 2: HfDeepSpeedConfig, and from_config
+outside any zero.Init of the reader's): the GPT-2 is built partitioned and trains under ZeRO-3 on 2 and 4 ranks like the same model in one process.
+
+The runs use new interpreters (fresh=True), as the failing example's does: in the warm pool
+torch._dynamo is imported before the snippet starts, so the fix would not be what made the
+build work."""
+
+import runpy
+
+import pytest
+
+from rankrun.pages import output_file
+from rankrun.reference import assert_same_training, train_causal_lm_in_one_process
+from rankrun.runner import ROOT, run_snippet
+
+SNIPPET = "snippets/transformers/hf_config_zero_init.py"
+SHARED = "snippets/transformers/import_inside_zero_init.py"
+TIMEOUT = 600  # importing Transformers in new interpreters, on a loaded 2-core machine
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_fix_trains_like_one_process(world_size, expect_output):
+    import transformers
+
+    result = run_snippet(SNIPPET, world_size, call="main", timeout=TIMEOUT, fresh=True).check()
+    example = runpy.run_path(str(ROOT / SHARED), run_name="reference")
+    initial = result.returned(0)["initial"]
+    model = transformers.GPT2LMHeadModel(example["tiny_gpt2_config"]())
+    batches = [example["make_batch"](step) for step in range(example["STEPS"])]
+    reference = train_causal_lm_in_one_process(model, initial, batches, example["LR"])
+    for rank in range(world_size):
+        got = result.returned(rank)
+        assert got["shape"] == (0,), got["shape"]  # built partitioned by zero.Init
+        assert got["initial"].keys() == initial.keys()
+        # Transformers initialized the weights as GPT-2 does: N(0, initializer_range = 0.02).
+        assert abs(initial["transformer.wte.weight"].std().item() - 0.02) < 0.004
+        assert_same_training(got, reference, f"rank {rank}")
+    if world_size == 2:
+        expect_output(result, output_file(SNIPPET))
