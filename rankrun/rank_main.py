@@ -175,6 +175,9 @@ WARM_IMPORTS = [
     # once here instead of in every rank of every run.
     "accelerate", "transformers.trainer", "transformers.models.t5.modeling_t5",
 ]
+# What a warm rank has imported is not only a matter of speed: an example whose outcome depends
+# on a first import (a model class first imported inside deepspeed.zero.Init fails because that
+# first imports torch._dynamo) must run with fresh=True, in a new interpreter as torchrun starts it.
 
 
 # The warning filters right after `import torch, deepspeed`: some lazily imported
