@@ -71,6 +71,7 @@ def main():
     return results
 
 
+# --8<-- [start:unsynced]
 def unsynced():
     model, hf_config = partitioned_model()
     rank = torch.distributed.get_rank()
@@ -78,6 +79,7 @@ def unsynced():
     print(f"[rank {rank}] synced_gpus=False: {tokens}", flush=True)
     torch.distributed.barrier()  # what comes next on every rank: here, a barrier
     return tokens
+# --8<-- [end:unsynced]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import accelerate
 import deepspeed
 import torch
 import torch.nn.functional as F
+import transformers
+import trl
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 from accelerate.state import AcceleratorState
@@ -92,12 +94,14 @@ def train(student, teacher_forward, config):
     return {"losses": losses, "grads": grads, "teacher_logits": teacher_logits[0].cpu()}
 
 
+# --8<-- [start:cpu_accelerator]
 def cpu_accelerator(config):
     """An Accelerator with DeepSpeed on this CPU run (over gloo), as TRL's trainers hold one.
     On GPUs, `accelerate launch` or Trainer sets this up (not run here)."""
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     accelerate.PartialState(backend=get_accelerator().communication_backend_name())
     return accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+# --8<-- [end:cpu_accelerator]
 
 
 def error_of(call):
@@ -117,6 +121,8 @@ def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
     say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
+    say(f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
+        f"trl {trl.__version__}")
     config = ds_config(world)
     results = {}
 

@@ -11,7 +11,7 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 # message heading on the page -> the output file that shows it
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
-    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out"],
+    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out"],
     "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
@@ -20,6 +20,8 @@ SOURCES = {
     "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
+    "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
 }
 
 
