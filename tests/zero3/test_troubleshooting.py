@@ -22,6 +22,7 @@ SOURCES = {
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
     "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
+    "RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules": ["free_active_param.out"],
 }
 
 
