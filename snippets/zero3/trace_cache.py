@@ -29,11 +29,13 @@ class WithAuxiliaryHead(nn.Module):
         self.layer = nn.Linear(HIDDEN, HIDDEN)
         self.aux = nn.Linear(HIDDEN, VOCAB)
 
-    def forward(self, tokens, use_aux):
+    def forward(self, tokens, use_aux, always_call=False):
         hidden = torch.tanh(self.layer(self.embeddings(tokens)))
         logits = hidden @ self.embeddings.weight.t()
         if use_aux:  # another module order on these steps
             logits = logits + self.aux(hidden)
+        elif always_call:  # the same module order on every step, and a zero gradient
+            logits = logits + 0.0 * self.aux(hidden)
         return logits
 # --8<-- [end:model]
 
@@ -43,8 +45,11 @@ def batch(step):
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
 
 
+SCHEDULES = ("every step", "odd steps", "odd steps, always called")
+
+
 def uses_aux(schedule, step):
-    return {"every step": True, "odd steps": step % 2 == 1}[schedule]
+    return schedule == "every step" or step % 2 == 1
 
 
 def engine_for():
@@ -71,7 +76,8 @@ def full_grad(param):
 def train_step(engine, schedule, step):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     tokens = batch(step)[rank::world].to(engine.device)
-    logits = engine(tokens[:, :-1], use_aux=uses_aux(schedule, step))
+    logits = engine(tokens[:, :-1], use_aux=uses_aux(schedule, step),
+                    always_call=schedule.endswith("always called"))
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     engine.backward(loss)
     grads = {name: full_grad(p) for name, p in engine.module.named_parameters()}
@@ -85,7 +91,7 @@ def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     say = print if torch.distributed.get_rank() == 0 else (lambda *args, **kwargs: None)
     results = {}
-    for schedule in ("every step", "odd steps"):
+    for schedule in SCHEDULES:
         say(f"auxiliary head on {schedule}:", flush=True)
         engine = engine_for()
         record = {"losses": [], "grads": []}
@@ -93,7 +99,9 @@ def main():
             loss, grads = train_step(engine, schedule, step)
             record["losses"].append(loss)
             record["grads"].append(grads)
-            say(f"  step {step}: loss {loss:.4f}", flush=True)
+            aux = grads["aux.bias"].abs().sum().item()
+            say(f"  step {step}: loss {loss:.4f}, aux.bias gradient sum |g| {aux:.4f}",
+                flush=True)
         results[schedule] = record
     return results
 
