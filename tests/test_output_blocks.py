@@ -26,6 +26,8 @@ from test_prose_literals import FENCE, included_files, normalise, page_lines, pa
 # says what the block leaves out (stderr: warnings, tracebacks, torchrun's own report).
 LABEL = "The stdout of each rank, rank by rank ([what this block leaves out]):"
 LABEL_FAILED = "The stdout of each rank, rank by rank, then the exception the ranks raised ([what this block leaves out]):"
+# Where only rank 0 prints, the label may say so right before the link.
+ONLY_RANK_0 = "; only rank 0 prints"
 LABEL_LINK = re.compile(r"\[what this block leaves out\]\(([^)]*)\)")
 # A line the runner adds to a transcript: `Type: message` of an exception, or how a rank ended.
 RUNNER_LINE = re.compile(r"^(?:\w+(?:Error|Exception|Interrupt): |rank \d+ (?:exited with code|killed by signal) )", re.M)
@@ -70,7 +72,7 @@ def label_problems(page_name: str, lines: list[str]) -> list[str]:
         failed = any(RUNNER_LINE.search(texts[spec]) for spec in outputs)
         wanted = LABEL_FAILED if failed else LABEL
         link = LABEL_LINK.search(paragraph)
-        said = normalise(LABEL_LINK.sub("[what this block leaves out]", paragraph))
+        said = normalise(LABEL_LINK.sub("[what this block leaves out]", paragraph)).replace(ONLY_RANK_0, "")
         target = "testing.md#output-blocks"
         if not said.endswith(wanted):
             problems.append(

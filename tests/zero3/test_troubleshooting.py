@@ -11,7 +11,7 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 # message heading on the page -> the output file that shows it
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
-    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out"],
+    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out"],
     "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
@@ -20,6 +20,12 @@ SOURCES = {
     "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
+    "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
+    "RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules": ["free_active_param.out"],
+    "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
+    "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
+    "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
     # Saving and loading shared weights (docs/zero3/saving-shared-weights.md)
     "RuntimeError: Some tensors share memory, this will lead to duplicate memory on disk and potential "
     "differences when loading them again": ["zero3_checkpoint.out", "../transformers/tied_causal_lm.out"],
@@ -31,9 +37,6 @@ SOURCES = {
         "../pipeline/pipeline_to_plain.out"],
     "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
     "zero_to_fp32.py to recover weights": ["../transformers/tied_causal_lm.out"],
-    "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
-    "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
-    "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
 }
 
 

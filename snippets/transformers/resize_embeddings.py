@@ -1,0 +1,155 @@
+"""resize_token_embeddings on a tied causal LM under ZeRO-3: the orders that work (before
+deepspeed.initialize, with HfDeepSpeedConfig alive) and those that fail.
+
+Run on CPU (2 processes):
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/resize_embeddings.py
+On GPUs, drop DS_ACCELERATOR=cpu.
+"""
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import safe_get_full_grad
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+VOCAB, ADDED, SEQ, BATCH, STEPS, SEED, LR = 32, 4, 6, 8, 3, 0, 0.1
+
+
+def tiny_llama():
+    """A tied Llama small enough for a test, built from its config (no download)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=SEQ, tie_word_embeddings=True)
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
+
+
+def batch():
+    """Tokens that use the added ids too, so their rows train."""
+    generator = torch.Generator().manual_seed(SEED)
+    return torch.randint(0, VOCAB + ADDED, (BATCH, SEQ), generator=generator)
+
+
+def ds_config(world_size):
+    return {
+        "train_micro_batch_size_per_gpu": BATCH // world_size,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+
+
+def tied(model):
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def full_embedding(model):
+    weight = model.get_input_embeddings().weight
+    with deepspeed.zero.GatheredParameters(weight):  # a no-op for a weight not partitioned
+        return weight.detach().clone()
+
+
+def facts(model):
+    weight = model.get_input_embeddings().weight
+    return {"tied": tied(model), "partitioned": hasattr(weight, "ds_id"),
+            "shape": tuple(getattr(weight, "ds_shape", weight.shape)),
+            "vocab_size": model.config.vocab_size, "embedding": full_embedding(model)}
+
+
+def train(engine):
+    """STEPS steps on this rank's share of the batch; losses and full gradients."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    tokens = batch()[rank::world].to(engine.device)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        logits = engine(tokens).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB + ADDED),
+                               tokens[:, 1:].reshape(-1))
+        engine.backward(loss)
+        grads.append({name: safe_get_full_grad(p).clone()
+                      for name, p in engine.module.named_parameters()})
+        engine.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return {"losses": losses, "grads": grads}
+
+
+def initialize(model, config):
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def error_of(call):
+    """The error `call` raises, and the function that raised it; printed, not raised, so
+    that one launch shows every case."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the error is what the case shows
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        return f"{type(error).__name__}: {error}", f"{where.name} ({Path(where.filename).name})"
+    return None
+
+
+def main():
+    # Saved before the process group exists: save_pretrained writes on rank 0 only after.
+    directory = tempfile.mkdtemp(prefix="tiny-llama-")
+    tiny_llama().save_pretrained(directory)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    world = torch.distributed.get_world_size()
+    say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
+    config = ds_config(world)
+    results = {}
+
+    # --8<-- [start:before]
+    hf_config = HfDeepSpeedConfig(config)  # alive, as under Trainer: ZeRO-3 is configured
+    model = LlamaForCausalLM.from_pretrained(directory)  # inside zero.Init: partitioned
+    model.resize_token_embeddings(VOCAB + ADDED)  # before deepspeed.initialize
+    resized = facts(model)  # tied? partitioned? (printed below)
+    engine = initialize(model, config)
+    # --8<-- [end:before]
+    results["before"] = {"resized": resized, "initialized": facts(model), **train(engine)}
+    for when in ("resized", "initialized"):
+        say(f"{when}:", *(f"{k} {v}," for k, v in results["before"][when].items()
+                          if k != "embedding"))
+    say("  losses:", *(f"{x:.4f}" for x in results["before"]["losses"]))
+
+    # --8<-- [start:outside]
+    del hf_config
+    model = LlamaForCausalLM.from_pretrained(directory)  # outside zero.Init: full
+    hf_config = HfDeepSpeedConfig(config)
+    model.resize_token_embeddings(VOCAB + ADDED)
+    resized = facts(model)
+    engine = initialize(model, config)  # partitions the resized model
+    # --8<-- [end:outside]
+    results["outside"] = {"resized": resized, **train(engine)}
+    say("built outside zero.Init, resized, then initialized: losses",
+        *(f"{x:.4f}" for x in results["outside"]["losses"]))
+
+    # --8<-- [start:after]
+    model = LlamaForCausalLM.from_pretrained(directory)
+    engine = initialize(model, config)
+    results["after"] = error_of(lambda: (engine.module.resize_token_embeddings(VOCAB + ADDED),
+                                         train(engine)))
+    # --8<-- [end:after]
+    say("resized after deepspeed.initialize: {}, raised in {}".format(*results["after"]))
+
+    # --8<-- [start:no_config]
+    model = LlamaForCausalLM.from_pretrained(directory)  # partitioned
+    del hf_config  # ZeRO-3 no longer configured: resize does not gather
+    results["no_config"] = error_of(lambda: model.resize_token_embeddings(VOCAB + ADDED))
+    # --8<-- [end:no_config]
+    say("resized without HfDeepSpeedConfig: {}, raised in {}".format(*results["no_config"]))
+    shutil.rmtree(directory)
+    return results
+
+
+if __name__ == "__main__":
+    main()

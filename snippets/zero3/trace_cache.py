@@ -1,0 +1,110 @@
+"""A module used on some steps only, under ZeRO-3: DeepSpeed prints "Invalidate trace cache"
+when the order of modules changes from one step to the next. Training still equals plain
+PyTorch. (Time per step: benchmarks/trace_cache.py.)
+
+Run on CPU (2 processes):
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/trace_cache.py
+On GPUs, drop DS_ACCELERATOR=cpu.
+"""
+import os
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import safe_get_full_grad
+from torch import nn
+
+VOCAB, HIDDEN, BATCH, SEQ, SEED, LR = 16, 8, 4, 5, 0, 0.1
+STEPS = int(os.environ.get("TRACE_CACHE_STEPS", "4"))
+
+
+# --8<-- [start:model]
+class WithAuxiliaryHead(nn.Module):
+    """A tied language model with an auxiliary head that only some steps use."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = nn.Embedding(VOCAB, HIDDEN)
+        self.layer = nn.Linear(HIDDEN, HIDDEN)
+        self.aux = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens, use_aux, always_call=False):
+        hidden = torch.tanh(self.layer(self.embeddings(tokens)))
+        logits = hidden @ self.embeddings.weight.t()
+        if use_aux:  # another module order on these steps
+            logits = logits + self.aux(hidden)
+        elif always_call:  # the same module order on every step, and a zero gradient
+            logits = logits + 0.0 * self.aux(hidden)
+        return logits
+# --8<-- [end:model]
+
+
+def batch(step):
+    generator = torch.Generator().manual_seed(SEED + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+
+
+SCHEDULES = ("every step", "odd steps", "odd steps, always called")
+
+
+def uses_aux(schedule, step):
+    return schedule == "every step" or step % 2 == 1
+
+
+def engine_for():
+    world = torch.distributed.get_world_size()
+    # --8<-- [start:config]
+    config = {"train_micro_batch_size_per_gpu": BATCH // world,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "log_trace_cache_warnings": True},  # off by default
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+    # --8<-- [end:config]
+    torch.manual_seed(SEED)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = WithAuxiliaryHead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def full_grad(param):
+    grad = safe_get_full_grad(param)  # None for a module this step did not use
+    return torch.zeros(param.ds_shape) if grad is None else grad.clone()
+
+
+def train_step(engine, schedule, step):
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    tokens = batch(step)[rank::world].to(engine.device)
+    logits = engine(tokens[:, :-1], use_aux=uses_aux(schedule, step),
+                    always_call=schedule.endswith("always called"))
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    engine.backward(loss)
+    grads = {name: full_grad(p) for name, p in engine.module.named_parameters()}
+    engine.step()
+    mean = loss.detach().clone()
+    torch.distributed.all_reduce(mean)
+    return mean.item() / world, grads
+
+
+def main():
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    say = print if torch.distributed.get_rank() == 0 else (lambda *args, **kwargs: None)
+    results = {}
+    for schedule in SCHEDULES:
+        say(f"auxiliary head on {schedule}:", flush=True)
+        engine = engine_for()
+        record = {"losses": [], "grads": []}
+        for step in range(STEPS):
+            loss, grads = train_step(engine, schedule, step)
+            record["losses"].append(loss)
+            record["grads"].append(grads)
+            aux = grads["aux.bias"].abs().sum().item()
+            say(f"  step {step}: loss {loss:.4f}, aux.bias gradient sum |g| {aux:.4f}",
+                flush=True)
+        results[schedule] = record
+    return results
+
+
+if __name__ == "__main__":
+    main()

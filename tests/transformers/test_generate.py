@@ -1,0 +1,85 @@
+"""snippets/transformers/generate.py: generate() under ZeRO-3 on 2 and 4 ranks, the ranks
+stopping after different numbers of tokens. Left to Transformers (HfDeepSpeedConfig alive) and
+with synced_gpus=True, every rank's tokens equal the same model's in one process; with
+synced_gpus=False the ranks hang, shown by the runner's timeout and the ranks' stacks."""
+
+import re
+import runpy
+
+import pytest
+
+from rankrun.pages import output_file
+from rankrun.runner import ROOT, printed_by_the_example, run_snippet
+
+SNIPPET = "snippets/transformers/generate.py"
+TIMEOUT = 600  # Transformers on a loaded 2-core machine
+HANG_TIMEOUT = 90  # the hang: long enough to load Transformers and generate, then it is a hang
+EXAMPLE = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+
+
+def one_process(rank):
+    """The same model and prompt, greedy, in this one process without DeepSpeed."""
+    model = EXAMPLE["tiny_llama"]().eval()
+    output = model.generate(EXAMPLE["prompt"](rank), max_new_tokens=EXAMPLE["new_tokens"](rank),
+                            do_sample=False, pad_token_id=0)
+    return output[0, EXAMPLE["PROMPT"]:].tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_generate_on_ranks_that_stop_apart_equals_one_process(world_size, expect_output):
+    result = run_snippet(SNIPPET, world_size, call="main", timeout=TIMEOUT).check()
+    for rank in range(world_size):
+        want = one_process(rank)
+        assert len(want) == EXAMPLE["new_tokens"](rank)
+        assert result.returned(rank) == {"default": want, "synced": want}, rank
+    if world_size == 2:
+        expect_output(result, output_file(SNIPPET))
+
+
+HANG_FILE = ROOT / "snippets/transformers/generate_hang.txt"
+# The frames of a rank's stack that say where it waits (innermost last), in the snippet,
+# Transformers' generate loop, DeepSpeed's gather and torch.distributed.
+SHOWN = re.compile(r'File ".*?(snippets/transformers/generate\.py|transformers/generation/utils\.py|'
+                   r'deepspeed/runtime/zero/partitioned_param_coordinator\.py|'
+                   r'torch/distributed/distributed_c10d\.py)", line \d+ in (\w+)')
+
+
+def waiting_in(stack):
+    """(file, function) of the shown frames of the main thread, outermost first."""
+    main = stack.split("Current thread")[1]
+    return [(m.group(1).split("/")[-1], m.group(2)) for m in SHOWN.finditer(main)][::-1]
+
+
+class HangTranscript:
+    """What the page shows of the hung run: each rank's printed line and where it waited."""
+
+    def __init__(self, result):
+        self.name, self.ok, self.result = result.name, True, result
+
+    def transcript(self):
+        lines = [f"timed out after {self.result.timeout:.0f} s; where each rank was:"]
+        for rank in self.result.ranks:
+            printed = printed_by_the_example(rank.stdout).strip() or f"[rank {rank.rank}] (printed nothing)"
+            frames = " > ".join(f"{function} ({file})" for file, function in waiting_in(rank.stack))
+            lines += [printed, f"  {frames}"]
+        return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_synced_gpus_false_hangs(world_size, expect_output):
+    result = run_snippet(SNIPPET, world_size, call="unsynced", timeout=HANG_TIMEOUT)
+    assert result.timed_out, result.failure_report()
+    first = min(EXAMPLE["new_tokens"](rank) for rank in range(world_size))
+    for rank in result.ranks:
+        assert rank.killed_by_runner and rank.stack, result.failure_report()
+        where = waiting_in(rank.stack)
+        if EXAMPLE["new_tokens"](rank.rank) == first:  # done generating, waits in the barrier
+            assert where == [("generate.py", "unsynced"), ("distributed_c10d.py", "barrier")], where
+            assert printed_by_the_example(rank.stdout) == f"[rank {rank.rank}] synced_gpus=False: {one_process(rank.rank)}\n"
+        else:  # still generating: waits for the finished rank's share of a weight
+            assert where[:4] == [("generate.py", "unsynced"), ("generate.py", "generate"),
+                                 ("utils.py", "generate"), ("utils.py", "_sample")], where
+            assert ("partitioned_param_coordinator.py", "fetch_sub_module") in where, where
+            assert printed_by_the_example(rank.stdout) == ""
+    if world_size == 2:
+        expect_output(HangTranscript(result), HANG_FILE)
