@@ -1,7 +1,7 @@
 """The tied language model on DeepSpeed pipeline stages with ZeRO-1, bf16, and both.
 
-Run on CPU (2 processes: 2 stages; 4 processes: 2 stages x 2 data-parallel replicas):
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/deepspeed_tied_bf16.py
+Run on CPU (4 processes: 2 stages x 2 data-parallel replicas, so that ZeRO-1 has a
+data-parallel group to partition over):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 snippets/pipeline/deepspeed_tied_bf16.py
 Run and tested here on CPU only; not run on GPUs.
 """
@@ -36,7 +36,7 @@ def cross_entropy(logits, targets):
 
 
 def micro_batches(replica, device):
-    """Replica r's MICRO_BATCHES (tokens, next tokens) pairs: each replica gets other data."""
+    """Replica r's MICRO_BATCHES (tokens, next tokens) pairs: other data per replica."""
     generator = torch.Generator().manual_seed(replica)
     for _ in range(MICRO_BATCHES):
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=generator)
@@ -53,11 +53,12 @@ def max_difference_between_copies(weight):
 # --8<-- [start:configs]
 BASE = {"train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": MICRO_BATCHES, "gradient_clipping": 0.0,
-        "zero_allow_untested_optimizer": True}  # a torch.optim.SGD, as on the other pages
+        "zero_allow_untested_optimizer": True}  # a torch.optim.SGD, as elsewhere
 CONFIGS = {
     "ZeRO-1": {**BASE, "zero_optimization": {"stage": 1}},
     "bf16": {**BASE, "bf16": {"enabled": True}},
-    "bf16 + ZeRO-1": {**BASE, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    "bf16 + ZeRO-1": {**BASE, "bf16": {"enabled": True},
+                      "zero_optimization": {"stage": 1}},
 }
 # --8<-- [end:configs]
 
@@ -74,7 +75,7 @@ def train(name):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=CONFIGS[name])
     replica = engine.grid.get_data_parallel_id()
-    weight = engine.module.tied_modules["embed"].weight  # what forward uses (bf16 or fp32)
+    weight = engine.module.tied_modules["embed"].weight  # what forward uses
     losses, differences, masters = [], [], []
     for step in range(STEPS):
         batches = micro_batches(replica, engine.device)
@@ -89,7 +90,8 @@ def train(name):
 
 def main():
     # --8<-- [start:main]
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    backend = get_accelerator().communication_backend_name()  # gloo on the CPU
+    deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for name in CONFIGS:
@@ -103,9 +105,9 @@ def main():
         if rank == 0:
             print(f"{name} on {world} ranks: {type(engine.optimizer).__name__}, "
                   f"tied weight {weight.dtype}")
-            for step, (loss, (diff, master_diff)) in enumerate(zip(losses, differences)):
+            for step, (loss, (diff, master)) in enumerate(zip(losses, differences)):
                 print(f"  step {step}: loss {loss:.4f}, max |copy - rank 0 copy| "
-                      f"{diff:.4f}, of the fp32 master {master_diff:.4f}")
+                      f"{diff:.4f}, of the fp32 master {master:.4f}")
     dist.destroy_process_group()
     # --8<-- [end:main]
     return results

@@ -1,5 +1,5 @@
 """Tied modules with more than a weight on 2 DeepSpeed pipeline stages: which parameters
-TiedLayerSpec keeps equal (the ones tied_weight_attr lists), and two tie keys in one model.
+TiedLayerSpec keeps equal (those tied_weight_attr lists), and two tie keys in one model.
 
 Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/deepspeed_tied_norm.py
@@ -18,7 +18,7 @@ MICRO_BATCH, MICRO_BATCHES, STEPS = 4, 2, 4
 
 # --8<-- [start:model]
 class EmbeddingWithNorm(nn.Module):
-    """The tied module: an embedding matrix and a LayerNorm, both used on both stages."""
+    """The tied module: an embedding and a LayerNorm, both used on both stages."""
 
     def __init__(self):
         super().__init__()
@@ -33,7 +33,7 @@ def head(module, hidden):  # stage 1: the same norm, then the embedding matrix
     return module.norm(hidden) @ module.embed.weight.t()
 
 
-def mix(linear, hidden):  # a second tie: one Linear (weight and bias) used on both stages
+def mix(linear, hidden):  # a second tie: one Linear (weight, bias) on both stages
     return torch.tanh(linear(hidden))
 
 
@@ -78,7 +78,7 @@ def differences_between_stages(parameters):
     """Per tied parameter: the largest |stage 0 copy - stage 1 copy|."""
     result = {}
     for name, p in parameters.items():
-        copies = [torch.empty_like(p) for _ in range(torch.distributed.get_world_size())]
+        copies = [torch.empty_like(p) for _ in range(2)]
         torch.distributed.all_gather(copies, p.detach().contiguous())
         result[name] = (copies[0] - copies[1]).abs().max().item()
     return result
@@ -88,10 +88,12 @@ def print_table(label, synced, losses, differences):
     names = list(differences[0])  # "key.attribute" of every tied parameter
     print(f"{label}: tied_weight_attr {synced}")
     print("  max |stage 0 copy - stage 1 copy| of each parameter of the tied modules:")
-    print("  " + " " * 15 + "".join(f"{name:>19}" for name in names))
+    print(f"  {'':<7}{'loss':>6}" + "".join(f"{n:>{len(n) + 2}}" for n in names))
     for step, diffs in enumerate(differences):
-        when = "built" if step == 0 else f"step {step - 1} {losses[step - 1]:.4f}"
-        print(f"  {when:<15}" + "".join(f"{diffs[name]:>19.4f}" for name in names))
+        when = "built" if step == 0 else f"step {step - 1}"
+        loss = "" if step == 0 else f"{losses[step - 1]:.4f}"
+        print(f"  {when:<7}{loss:>6}"
+              + "".join(f"{diffs[name]:>{len(name) + 2}.4f}" for name in names))
 
 
 # --8<-- [start:train]
@@ -101,7 +103,8 @@ def train(attrs):
     model = PipelineModule(layers(**attrs), num_stages=2, loss_fn=cross_entropy,
                            seed_layers=True, base_seed=SEED, partition_method="uniform")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=ds_config)
     parameters = tied_parameters(engine.module)
     differences = [differences_between_stages(parameters)]  # when built
     losses = []
@@ -114,9 +117,11 @@ def train(attrs):
 
 def main():
     # --8<-- [start:main]
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    backend = get_accelerator().communication_backend_name()  # gloo on the CPU
+    deepspeed.init_distributed(dist_backend=backend)
     results = {}
-    for label, attrs in (("weights only", WEIGHTS_ONLY), ("every parameter", EVERY_PARAMETER)):
+    for label, attrs in (("weights only", WEIGHTS_ONLY),
+                         ("every parameter", EVERY_PARAMETER)):
         engine, losses, differences = train(attrs)
         comms = engine.module.tied_comms
         results[label] = {

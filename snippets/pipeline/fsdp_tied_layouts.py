@@ -3,7 +3,7 @@ wrapping layouts keep the tie, and what FSDP1 does with the owners in separate u
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/fsdp_tied_layouts.py
-(DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+(DS_ACCELERATOR is not used here; the command is that of the DeepSpeed examples.)
 Run and tested here on CPU only; not run on GPUs.
 """
 import os
@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation
 
 
 def this_ranks_device():
-    """The CPU here (then gloo); with an accelerator (not run here), LOCAL_RANK's device."""
+    """The CPU here (then gloo); with an accelerator (not run here), LOCAL_RANK's."""
     if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
         torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
         return torch.device(torch.accelerator.current_accelerator().type,
@@ -49,7 +49,7 @@ def batch():
 
 # --8<-- [start:layouts]
 def wrap(layout, model, device):
-    """Returns the wrapped model; `model` keeps its submodules (FSDP1 wraps them in place)."""
+    """The wrapped model; `model` keeps its submodules (FSDP1 wraps them in place)."""
     if layout == "FSDP1, one unit (the root)":
         return FSDP(model, device_id=device)
     if layout == "FSDP1, mixer apart, tie in the root":
@@ -78,7 +78,8 @@ def embedding_and_head(layout, wrapped, model):
     """Full copies of the embedding's and the head's weight, on every rank."""
     if layout.startswith("FSDP1"):
         with FSDP.summon_full_params(wrapped):
-            return model.embed.weight.detach().clone(), model.head.weight.detach().clone()
+            embed, head = model.embed.weight, model.head.weight
+            return embed.detach().clone(), head.detach().clone()
     return (model.embed.weight.full_tensor().detach().clone(),
             model.head.weight.full_tensor().detach().clone())
 # --8<-- [end:check]
@@ -115,8 +116,8 @@ def main():
         for layout, got in results.items():
             print(f"{layout}:")
             for step, (loss, gap) in enumerate(zip(got["losses"], got["gaps"])):
-                print(f"  step {step}: loss {loss:.4f}, max |embed.weight - head.weight| "
-                      f"{gap:.4f}")
+                print(f"  step {step}: loss {loss:.4f}, "
+                      f"max |embed.weight - head.weight| {gap:.4f}")
     dist.destroy_process_group()
     return results
 # --8<-- [end:train]

@@ -58,8 +58,7 @@ def test_every_parameter_listed_trains_like_one_process(run, expect_output):
     expect_output(run, output_file(SNIPPET))
 
 
-def test_only_the_listed_attributes_are_synced():
-    run = run_snippet(SNIPPET, 2, call="main").check()
+def test_only_the_listed_attributes_are_synced(run):
     ref_losses, ref_parameters = train_in_one_process()
     for rank in range(2):
         got = run.returned(rank)["weights only"]
