@@ -5,6 +5,9 @@ data-parallel group to partition over):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 snippets/pipeline/deepspeed_tied_bf16.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import contextlib
+import io
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -72,8 +75,9 @@ def train(name):
     model = PipelineModule(layers, num_stages=STAGES, loss_fn=cross_entropy,
                            seed_layers=True, base_seed=SEED, partition_method="uniform")
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=CONFIGS[name])
+    with contextlib.redirect_stdout(io.StringIO()):  # BF16_Optimizer prints memory use
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                          config=CONFIGS[name])
     replica = engine.grid.get_data_parallel_id()
     weight = engine.module.tied_modules["embed"].weight  # what forward uses
     losses, differences, masters = [], [], []
