@@ -17,7 +17,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 
 VOCAB, DIM, SEQ, BATCH, SEED, LR, STEPS = 16, 8, 6, 8, 0, 0.5, 3
-warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notice
 
 
 def this_ranks_device():
@@ -111,7 +110,12 @@ def train(layout, device):
 def main():
     device = this_ranks_device()
     dist.init_process_group(dist.get_default_backend_for_device(device))
-    results = {layout: train(layout, device) for layout in LAYOUTS}
+    results = {}
+    for layout in LAYOUTS:
+        with warnings.catch_warnings(record=True) as caught:  # what each layout warns about
+            warnings.simplefilter("always")
+            results[layout] = train(layout, device)
+        results[layout]["warnings"] = sorted({str(w.message) for w in caught})
     if dist.get_rank() == 0:
         for layout, got in results.items():
             print(f"{layout}:")

@@ -49,6 +49,7 @@ def test_layouts(expect_output):
         separate = got[SEPARATE]
         # No error and no warning: the first loss is right, then embed.weight and head.weight
         # are two weights, each trained with its own module's gradient only.
+        assert separate["warnings"] == []
         assert_matches(separate["losses"][0], ref_losses[0], "first loss")
         assert all(gap > 1e-2 for gap in separate["gaps"]), separate["gaps"]
         assert not matches(separate["losses"], ref_losses)
