@@ -80,6 +80,8 @@ def test_tied_gradients_are_reduced_after_the_backward_passes_and_before_the_ste
         last_backward = max(i for i, name in enumerate(steps) if name == "BackwardPass")
         assert steps.count("ReduceTiedGrads") == 1
         assert last_backward < steps.index("ReduceTiedGrads") < steps.index("OptimizerStep")
+        # The tie's sum over the stages comes before the data-parallel reduction.
+        assert steps.index("ReduceTiedGrads") < steps.index("ReduceGrads")
 
 
 def test_deepspeed_clips_gradients_at_1_by_default():
