@@ -93,7 +93,6 @@ def train(name):
 
 
 def main():
-    # --8<-- [start:main]
     backend = get_accelerator().communication_backend_name()  # gloo on the CPU
     deepspeed.init_distributed(dist_backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,7 +112,6 @@ def main():
                 print(f"  step {step}: loss {loss:.4f}, max |copy - rank 0 copy| "
                       f"{diff:.4f}, of the fp32 master {master:.4f}")
     dist.destroy_process_group()
-    # --8<-- [end:main]
     return results
 
 

@@ -96,7 +96,6 @@ def print_table(label, synced, losses, differences):
               + "".join(f"{diffs[name]:>{len(name) + 2}.4f}" for name in names))
 
 
-# --8<-- [start:train]
 def train(attrs):
     ds_config = {"train_micro_batch_size_per_gpu": MICRO_BATCH,
                  "gradient_accumulation_steps": MICRO_BATCHES, "gradient_clipping": 0.0}
@@ -112,7 +111,6 @@ def train(attrs):
         losses.append(engine.train_batch(data_iter=micro_batches()).item())
         differences.append(differences_between_stages(parameters))
     return engine, losses, differences
-# --8<-- [end:train]
 
 
 def main():

@@ -72,7 +72,6 @@ LAYOUTS = ["FSDP1, one unit (the root)", "FSDP1, mixer apart, tie in the root",
            "FSDP2, mixer apart, tie in the root"]
 
 
-# --8<-- [start:check]
 def embedding_and_head(layout, wrapped, model):
     """Full copies of the embedding's and the head's weight, on every rank."""
     if layout.startswith("FSDP1"):
@@ -81,7 +80,6 @@ def embedding_and_head(layout, wrapped, model):
             return embed.detach().clone(), head.detach().clone()
     return (model.embed.weight.full_tensor().detach().clone(),
             model.head.weight.full_tensor().detach().clone())
-# --8<-- [end:check]
 
 
 # --8<-- [start:train]
