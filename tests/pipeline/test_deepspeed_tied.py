@@ -1,6 +1,7 @@
 """DeepSpeed TiedLayerSpec on 2 pipeline stages equals the same model trained in one process;
 the same layers declared with plain LayerSpec drift apart."""
 
+import functools
 import runpy
 
 import pytest
@@ -80,9 +81,94 @@ def test_tied_gradients_are_reduced_after_the_backward_passes_and_before_the_ste
         last_backward = max(i for i, name in enumerate(steps) if name == "BackwardPass")
         assert steps.count("ReduceTiedGrads") == 1
         assert last_backward < steps.index("ReduceTiedGrads") < steps.index("OptimizerStep")
+        # The tie's sum over the stages comes before the data-parallel reduction.
+        assert steps.index("ReduceTiedGrads") < steps.index("ReduceGrads")
 
 
 def test_deepspeed_clips_gradients_at_1_by_default():
     from deepspeed.runtime.config import DeepSpeedConfig
 
     assert DeepSpeedConfig({"train_batch_size": 1}).gradient_clipping == 1.0
+
+
+# What the older releases printed for this file (versions/matrix.json), explained: one process
+# with the gradient scaled as each release's PipelineEngine scales it over the micro-batches.
+SCALING = {
+    # loss / micro-batches on the last stage, nothing more (0.14.5, and again from 0.19.3 on).
+    "mean": ["0.14.5", "0.19.3", "0.19.8"],
+    # no division at all: the loss is scaled only when enable_backward_allreduce is on, which
+    # PipelineEngine turns off (from DeepSpeed #6675 until the backward API of #7665).
+    "sum": ["0.16.5", "0.17.6"],
+    # the output hook of #7665 divides on every stage (#7787 runs it on the earlier stages):
+    # stage 0 divides a gradient stage 1 already divided (fixed by #8154, in 0.19.3).
+    "stage 0 twice": ["0.18.9", "0.19.2"],
+}
+COMMAND = f"torchrun --nproc_per_node 2 {SNIPPET}"
+PRINTED = r"step (\d): loss ([\d.]+), max \|stage 0 copy - stage 1 copy\| ([\d.]+)"
+
+
+@functools.cache
+def train_with_scaling(scaling, tied):
+    """The snippet's model in one process, with `scaling` of the gradient (see SCALING). The
+    untied variant: a second embedding for the head, a copy of the first at the start (the
+    snippet broadcasts it by hand). Returns the step losses and max |embedding - head| after
+    each step, as the snippet prints them."""
+    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
+    head = embedding if tied else torch.nn.Embedding(ex["VOCAB"], ex["DIM"])
+    head.weight.data.copy_(embedding.weight.data)
+    params = {id(p): p for m in (embedding, mixer1, mixer2, head) for p in m.parameters()}
+    optimizer = torch.optim.SGD(params.values(), lr=ex["LR"])
+    n = ex["MICRO_BATCHES"]
+    losses, differences = [], []
+    for _ in range(ex["STEPS"]):
+        total = 0.0
+        for tokens, targets in ex["micro_batches"]():
+            hidden = mixer1(embedding(tokens))  # what stage 0 sends to stage 1
+            if scaling == "stage 0 twice":
+                hidden.register_hook(lambda grad: grad / n)
+            loss = ex["cross_entropy"](ex["logits_from_embedding"](head, mixer2(hidden)), targets)
+            (loss if scaling == "sum" else loss / n).backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / n)
+        differences.append((embedding.weight - head.weight).abs().max().item())
+    return losses, differences
+
+
+def printed_by(release):
+    """(tied, untied) step losses and differences the release's run printed."""
+    import json
+    import re
+
+    data = json.loads((ROOT / "versions" / "matrix.json").read_text())
+    run = data["releases"][release]["examples"][COMMAND]
+    assert run["ok"], release
+    tied, untied = run["printed"][0].split("LayerSpec (no tie)")
+    parse = lambda text: [[float(v) for v in row[1:]] for row in re.findall(PRINTED, text)]
+    return [list(map(list, zip(*parse(part)))) for part in (tied, untied)]
+
+
+def agrees_with_print(printed, computed):
+    """Equal to the 4 decimals printed: within half a unit of the last printed digit, plus the
+    project's tolerance."""
+    from rankrun.tolerance import eps, matches
+
+    worst = max(abs(v) for v in computed) or 1.0
+    return matches(printed, computed, ulps=64 + 0.5e-4 / (eps() * worst))
+
+
+@pytest.mark.parametrize("scaling", list(SCALING))
+def test_older_releases_train_with_another_gradient_scaling(scaling):
+    """Each release's recorded losses and copy differences are reproduced, to the printed
+    digits, by its scaling and by no other."""
+    models = {name: {tied: train_with_scaling(name, tied) for tied in (True, False)} for name in SCALING}
+    for release in SCALING[scaling]:
+        for index, tied in enumerate((True, False)):
+            losses, differences = printed_by(release)[index]
+            for name, model in models.items():
+                got = agrees_with_print(losses, model[tied][0]) and agrees_with_print(
+                    differences, model[tied][1])
+                assert got == (name == scaling), (release, tied, name, losses, model[tied])
