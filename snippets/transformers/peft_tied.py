@@ -112,8 +112,9 @@ def main():
                 directory, got["adapter"], got["inputs"])
             for message in got["merge warned"]:
                 print(f"  merge_and_unload warned: {message}")
-            # A loose check for the reader; the test compares with the project's tolerance.
-            close = torch.allclose(got["merged logits"], got["logits"], rtol=1e-4, atol=1e-5)
+            # Equal up to float32 rounding: 64 epsilons of the largest logit.
+            limit = 64 * torch.finfo(torch.float32).eps * got["logits"].abs().max()
+            close = bool((got["merged logits"] - got["logits"]).abs().max() <= limit)
             print(f"  merged in one process: head is embedding {got['merged tied']}, "
                   f"logits close to the trained model's: {close}")
     torch.distributed.barrier()
