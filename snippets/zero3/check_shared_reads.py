@@ -26,6 +26,7 @@ from pathlib import Path  # noqa: E402
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.zero import parameter_offload  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
@@ -109,6 +110,14 @@ class _Watch:
     def hooks(self):
         """Global forward hooks: which forwards are running (any entry path)."""
         def started(module, args):
+            # A parameter passed on as an argument: DeepSpeed's hooks hand the callee a
+            # new tensor, so catch it here, before them (global hooks run first).
+            # The callee's hooks gather its own and its registered parameters.
+            own = {id(p) for p in module._parameters.values()} | {
+                id(p) for p in getattr(module, "_external_params", {}).values()}
+            for param in _unavailable(args, None):
+                if id(param) not in own:
+                    self.record(param, sys._getframe(1))
             self.running.append(module)
 
         def ended(module, args, output):
@@ -221,7 +230,9 @@ def _start_process_group():
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
         os.environ[key] = value
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    # The CPU accelerator (DS_ACCELERATOR=cpu, set above unless you chose another): gloo.
+    backend = get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return True
 
 

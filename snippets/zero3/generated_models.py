@@ -176,11 +176,18 @@ def train_plain(spec):
     for step in range(STEPS):
         loss = loss_of(PlainEngine(model), make_batch(step), spec)
         loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        # A parameter the step did not use has no gradient: zero, as under ZeRO-3.
+        grads.append({n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                      for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads}
+
+
+def full_grad(param):
+    grad = deepspeed.utils.safe_get_full_grad(param)
+    return torch.zeros(param.ds_shape) if grad is None else grad.clone()
 
 
 def train_zero3(spec):
@@ -197,8 +204,7 @@ def train_zero3(spec):
             loss = loss_of(engine, make_batch(step), spec)
             where = f"in backward of step {step}"
             engine.backward(loss)
-            grads.append({n: deepspeed.utils.safe_get_full_grad(p).clone()
-                          for n, p in engine.module.named_parameters()})
+            grads.append({n: full_grad(p) for n, p in engine.module.named_parameters()})
             engine.step()
             losses.append(loss.item())
     except Exception as error:  # noqa: BLE001 - the error is the result
@@ -226,7 +232,7 @@ def main():
 
 
 def checker_verdicts():
-    """check_shared_reads.py on the same models, one rank: {index: (spec, findings)}."""
+    """check_shared_reads.py on the same models: {index: (spec, findings as dicts)}."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from check_shared_reads import check_shared_reads
 
@@ -234,9 +240,10 @@ def checker_verdicts():
     for index in indices():
         spec = draw(index)
         torch.manual_seed(SEED)
-        verdicts[index] = (spec, check_shared_reads(
+        findings = check_shared_reads(
             lambda: Model(spec), make_batch(0),
-            loop=lambda engine, inputs: loss_of(engine, inputs, spec), steps=STEPS))
+            loop=lambda engine, inputs: loss_of(engine, inputs, spec), steps=STEPS)
+        verdicts[index] = (spec, [vars(finding) for finding in findings])
     return verdicts
 
 
