@@ -66,14 +66,22 @@ def loss_reads_the_weight():
 def tiny_gpt2():
     """A Hugging Face GPT-2 with a tiny config: its head is tied to the token embedding."""
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from check_shared_reads import DS_CONFIG
 
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    zero3 = HfDeepSpeedConfig(DS_CONFIG)  # tells Transformers that ZeRO-3 partitions
+
+    def build():
+        zero3  # kept alive while the model is built: its init then gathers each weight
+        return GPT2LMHeadModel(config)
 
     def loop(engine, inputs):
         return engine(input_ids=inputs[0], labels=inputs[0]).loss
 
-    return lambda: GPT2LMHeadModel(config), (tokens,), loop
+    return build, (tokens,), loop
 # --8<-- [end:factories]
 
 
@@ -90,6 +98,31 @@ def main():
         print_table(found[factory.__name__])
         print()
     return {name: [vars(f) for f in findings] for name, findings in found.items()}
+
+
+def check_tables():
+    """The checker on every model of the automatic-detection tables, with and without
+    registration: {row key: {register: findings as dicts}}."""
+    import runpy
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    tables = runpy.run_path(str(Path(__file__).with_name("automatic_detection.py")))
+    found = {}
+    for key, (model_class, kwargs) in tables["cases"]().items():
+        def loop(engine, inputs, model_class=model_class):
+            logits = model_class.logits(engine, inputs[0])
+            return F.cross_entropy(logits.reshape(-1, tables["VOCAB"]), inputs[1].reshape(-1))
+
+        found[key] = {}
+        for register in (False, True):
+            torch.manual_seed(0)
+            findings = check_shared_reads(lambda: model_class(register, **kwargs),
+                                          tables["make_batch"](0), loop=loop)
+            found[key][register] = [vars(f) for f in findings]
+    return found
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ go on, and the run continues. Copy this file next to your model, or run it:
 
 `factory` is a function of that file returning `(build, inputs)` or `(build, inputs, loop)`
 (see `check_shared_reads`). The command prints a table and exits with 1 when it found
-anything, so it can run in your CI. Run and tested here on CPU only; not run on GPUs.
+anything, so it can run in your CI. Without arguments it checks its own example, a model
+that reads its embedding weight through a list (and exits with 0):
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 snippets/zero3/check_shared_reads.py
+Run and tested here on CPU only; not run on GPUs.
 """
 from __future__ import annotations
 
@@ -391,8 +394,24 @@ def _load(target):
     return getattr(module, factory)()
 
 
+class Example(torch.nn.Module):
+    """What the command checks without arguments: the weight is read through a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = torch.nn.Embedding(16, 8)
+        self.tied = [self.embeddings.weight]  # a list is not a submodule
+
+    def forward(self, tokens):
+        return self.embeddings(tokens) @ self.tied[0].t()
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        tokens = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+        print_table(check_shared_reads(Example, (tokens,)))
+        return 0
     if len(argv) != 1 or ":" not in argv[0]:
         print(__doc__, file=sys.stderr)
         return 2
@@ -402,4 +421,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if code := main():
+        sys.exit(code)
