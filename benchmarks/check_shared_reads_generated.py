@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import time
@@ -76,6 +77,10 @@ def compare(first, count, chunk, world_size, timeout):
                            "verdict": checker_verdict(checked[index][1]) if checked else None,
                            "findings": checked[index][1] if checked else None}
         print(f"  models {start}..{start + n - 1} on {world_size} ranks done", flush=True)
+        if os.environ.get("GENERATED_ROWS"):  # every row, as JSON lines, for later counts
+            with open(os.environ["GENERATED_ROWS"], "a") as out:
+                for index in range(start, start + n):
+                    out.write(json.dumps({"index": index, "ranks": world_size, **rows[index]}) + "\n")
     return rows
 
 
@@ -89,6 +94,12 @@ def report(rows, label):
             counts[str(r["spec"][key])][0 if agrees(r["outcome"], r["verdict"]) else 1] += 1
         cells = ", ".join(f"{value}: {a}/{d}" for value, (a, d) in sorted(counts.items()))
         print(f"  {key} (agree/disagree): {cells}")
+    for key in ("register", "entry", "compute"):
+        counts = collections.defaultdict(collections.Counter)
+        for r in rows.values():
+            counts[r["spec"][key]]["works" if r["outcome"] == "works" else "fails"] += 1
+        cells = ", ".join(f"{v}: {c['works']}/{c['fails']}" for v, c in sorted(counts.items()))
+        print(f"  real runs by {key} (works/fails or silently wrong): {cells}")
     outcomes = collections.Counter(r["outcome"] for r in rows.values())
     print("  outcomes of the real runs:")
     for outcome, n in outcomes.most_common():

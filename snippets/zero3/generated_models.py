@@ -225,8 +225,10 @@ def main():
         spec = draw(index)
         results[index] = {"spec": spec, "zero3": train_zero3(spec), "plain": train_plain(spec)}
     if torch.distributed.get_rank() == 0:
-        broken = sum("error" in r["zero3"] for r in results.values())
-        print(f"{len(results)} generated models trained under ZeRO-3; {broken} raised an error")
+        errors = [r["zero3"] for r in results.values() if "error" in r["zero3"]]
+        print(f"{len(results)} generated models trained under ZeRO-3; {len(errors)} raised an error:")
+        for where, error in sorted({(e["where"], e["error"]) for e in errors}):
+            print(f"- {where}: `{error}`")
     torch.distributed.destroy_process_group()
     return results
 
