@@ -52,7 +52,6 @@ METADATA = {"dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "l
             "_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook", "__eq__"}
 _DEEPSPEED_DIR = str(Path(deepspeed.__file__).parent)
 _TORCH_DIR = str(Path(torch.__file__).parent)
-_THIS_FILE = str(Path(__file__).resolve())
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def _from_deepspeed(frame) -> bool:
         if name.startswith(_TORCH_DIR):
             if frame.f_code.co_name in ("_engine_run_backward", "backward", "apply"):
                 return False  # autograd runs the recorded operations
-        elif not name.startswith(_THIS_FILE) and not name.startswith("<"):
+        elif not name.startswith("<"):
             return False  # model code, or the reader's loop
         frame = frame.f_back
     return False
