@@ -51,7 +51,7 @@ USE = {
     "matmul": lambda h, w: h @ w.t(),  # backward needs w's values (through a view)
     "linear": lambda h, w: F.linear(h, w),  # backward needs w itself
     "embedding": lambda h, w: h + F.embedding(torch.arange(h.shape[0]) % DIM, w),
-    "sum": lambda h, w: h + w.sum(0),  # no error on an empty weight: silently wrong
+    "sum": lambda h, w: h + w.sum(0),  # an empty weight passes forward, fails backward
 }
 REGISTER = ("nowhere", "reader", "receiver", "owner", "ancestor")
 ENTRY = ("engine", "engine.module", "loop calls the block", "forward hook", "checkpoint")
