@@ -51,6 +51,7 @@ METADATA = {"dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "l
             "is_complex", "element_size", "get_device", "_is_view", "register_hook",
             "_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook", "__eq__"}
 _DEEPSPEED_DIR = str(Path(deepspeed.__file__).parent)
+_DEEPSPEED_LINEAR = str(Path(deepspeed.__file__).parent / "runtime" / "zero" / "linear.py")
 _TORCH_DIR = str(Path(torch.__file__).parent)
 
 
@@ -68,7 +69,9 @@ def _from_deepspeed(frame) -> bool:
     rather than by the model, the loop or autograd."""
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_DEEPSPEED_DIR):
+        if name.startswith(_DEEPSPEED_LINEAR):
+            pass  # ZeRO-3's stand-in for F.linear computes for the model: look further up
+        elif name.startswith(_DEEPSPEED_DIR):
             return True
         if name.startswith(_TORCH_DIR):
             if frame.f_code.co_name in ("_engine_run_backward", "backward", "apply"):
