@@ -15,6 +15,8 @@ SOURCES = {
     "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
+    "RuntimeError: Function SumBackward1 returned an invalid gradient at index 0 - got [0] but expected shape "
+    "compatible with [6, 6]": ["generated_models.out"],
     "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": [
         "automatic_detection.out", "constructor_shape.out"],
     "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],

@@ -1,0 +1,138 @@
+"""Benchmark: check_shared_reads.py against real ZeRO-3 runs on generated models.
+
+    .venv/bin/python benchmarks/check_shared_reads_generated.py [--count 300] [--chunk 50]
+        [--four-ranks 40]
+
+For each model of snippets/zero3/generated_models.py (seeded), the checker's verdict (one
+rank: no findings, or which parameters) is compared with a real 2-rank ZeRO-3 run compared
+with plain PyTorch (works = every step's loss and every full gradient within the project's
+tolerance on every rank; otherwise it fails or is silently wrong). The first --four-ranks
+models also run on 4 ranks. Many models train one after another in one launch (--chunk per
+launch). Prints agree/disagree per value of every dimension, every disagreement, the errors
+the runs raised, the wall time and the load average. Not part of the suite: the suite runs
+a sample (tests/zero3/test_generated_models.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rankrun.runner import close_pools, run_snippet  # noqa: E402
+from rankrun.tolerance import matches  # noqa: E402
+
+SNIPPET = "snippets/zero3/generated_models.py"
+SHARED = "block.owner.weight"
+
+
+def real_outcome(per_rank):
+    """'works', 'silently wrong', or 'fails <where>: <error>' from every rank's result."""
+    outcomes = set()
+    for got in per_rank:
+        zero3, plain = got["zero3"], got["plain"]
+        if "error" in zero3:
+            outcomes.add(f"fails {zero3['where']}: {zero3['error']}")
+        elif matches(zero3["losses"], plain["losses"]) and matches(zero3["grads"], plain["grads"]):
+            outcomes.add("works")
+        else:
+            outcomes.add("silently wrong")
+    return " | ".join(sorted(outcomes))
+
+
+def checker_verdict(findings):
+    """'no findings', or the sorted parameters found (an error the checker hit: '(unknown)')."""
+    names = sorted({f["parameter"] for f in findings})
+    return "no findings" if not names else "finds " + ", ".join(names)
+
+
+def agrees(outcome, verdict):
+    if outcome == "works":
+        return verdict == "no findings"
+    return verdict == f"finds {SHARED}"
+
+
+def run(first, count, world_size, call, timeout):
+    env = {"GENERATED_MODELS": f"{first}:{count}"}
+    result = run_snippet(SNIPPET, world_size, call=call, env=env, timeout=timeout).check()
+    return [result.returned(rank) for rank in range(world_size)]
+
+
+def compare(first, count, chunk, world_size, timeout):
+    rows = {}
+    for start in range(first, first + count, chunk):
+        n = min(chunk, first + count - start)
+        real = run(start, n, world_size, "main", timeout)
+        checked = run(start, n, 1, "checker_verdicts", timeout)[0] if world_size == 2 else None
+        for index in real[0]:
+            rows[index] = {"spec": real[0][index]["spec"],
+                           "outcome": real_outcome([r[index] for r in real]),
+                           "verdict": checker_verdict(checked[index][1]) if checked else None,
+                           "findings": checked[index][1] if checked else None}
+        print(f"  models {start}..{start + n - 1} on {world_size} ranks done", flush=True)
+        if os.environ.get("GENERATED_ROWS"):  # every row, as JSON lines, for later counts
+            with open(os.environ["GENERATED_ROWS"], "a") as out:
+                for index in range(start, start + n):
+                    out.write(json.dumps({"index": index, "ranks": world_size, **rows[index]}) + "\n")
+    return rows
+
+
+def report(rows, label):
+    agree = sum(agrees(r["outcome"], r["verdict"]) for r in rows.values())
+    print(f"\n{label}: {len(rows)} models, checker agrees on {agree}, disagrees on {len(rows) - agree}")
+    spec_keys = list(next(iter(rows.values()))["spec"])
+    for key in spec_keys:
+        counts = collections.defaultdict(lambda: [0, 0])
+        for r in rows.values():
+            counts[str(r["spec"][key])][0 if agrees(r["outcome"], r["verdict"]) else 1] += 1
+        cells = ", ".join(f"{value}: {a}/{d}" for value, (a, d) in sorted(counts.items()))
+        print(f"  {key} (agree/disagree): {cells}")
+    for key in ("register", "entry", "compute"):
+        counts = collections.defaultdict(collections.Counter)
+        for r in rows.values():
+            counts[r["spec"][key]]["works" if r["outcome"] == "works" else "fails"] += 1
+        cells = ", ".join(f"{v}: {c['works']}/{c['fails']}" for v, c in sorted(counts.items()))
+        print(f"  real runs by {key} (works/fails or silently wrong): {cells}")
+    outcomes = collections.Counter(r["outcome"] for r in rows.values())
+    print("  outcomes of the real runs:")
+    for outcome, n in outcomes.most_common():
+        print(f"    {n:4d}  {outcome}")
+    for index, r in sorted(rows.items()):
+        if not agrees(r["outcome"], r["verdict"]):
+            print(f"  DISAGREE model {index}: {r['spec']}\n    run: {r['outcome']}\n"
+                  f"    checker: {r['verdict']} {r['findings']}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--chunk", type=int, default=50)
+    parser.add_argument("--four-ranks", type=int, default=40)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    try:
+        rows = compare(args.first, args.count, args.chunk, 2, args.timeout)
+        report(rows, "2 ranks")
+        if args.four_ranks:
+            four = compare(args.first, args.four_ranks, args.chunk, 4, args.timeout)
+            same = sum(four[i]["outcome"] == rows[i]["outcome"] for i in four)
+            for i in four:
+                four[i]["verdict"], four[i]["findings"] = rows[i]["verdict"], rows[i]["findings"]
+            report(four, "4 ranks")
+            print(f"  4-rank outcome equals the 2-rank outcome for {same} of {len(four)} models")
+    finally:
+        close_pools()
+    print(f"\nwall {time.perf_counter() - started:.0f} s; load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""check_shared_reads.py: its verdict on every cell of the automatic-detection tables is the
+outcome those runs show (tests/zero3/test_automatic_detection.py asserts the runs), and the
+command exits with 1 on a finding and 0 without one."""
+
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from rankrun.pages import output_file
+from rankrun.runner import ROOT, run_snippet
+
+SNIPPET = "snippets/zero3/check_shared_reads.py"
+EXAMPLES = "snippets/zero3/check_examples.py"
+
+
+@pytest.fixture(scope="module")
+def tables_test():
+    return runpy.run_path(str(ROOT / "tests/zero3/test_automatic_detection.py"))
+
+
+def test_agrees_with_every_cell_of_the_automatic_detection_tables(tables_test):
+    example = runpy.run_path(str(ROOT / "snippets/zero3/automatic_detection.py"), run_name="x")
+    # 78 checker runs in one process.
+    found = run_snippet(EXAMPLES, 1, call="check_tables", timeout=600).check().returned(0)
+    assert found.keys() == example["cases"]().keys()
+    for key, by_register in found.items():
+        for register, findings in by_register.items():
+            expected = tables_test["predicted"](example, key, register)
+            label = f"{key} register={register}: {findings}"
+            if expected is None:  # the run equals plain PyTorch
+                assert findings == [], label
+            else:  # fails or silently wrong: the checker names the weight
+                assert {f["parameter"] for f in findings} == {"embeddings.weight"}, label
+    before = found["`self.embeddings.weight`", "before", example["FIRST_USE"]][False]
+    assert before == [{"parameter": "embeddings.weight", "reader": "(model)", "phase": "forward",
+                       "step": 0, "fix": "`deepspeed.zero.register_external_parameter(self, "
+                                         "self.embeddings.weight)` in `Probe.__init__`"}]
+    head = found["a list holding the Parameter: `self.tied[0]`", "head", example["FIRST_USE"]][False]
+    assert [(f["reader"], f["fix"]) for f in head] == [
+        ("head", "`deepspeed.zero.register_external_parameter(self.head, "
+                 "self.embeddings.weight)` in `Probe.__init__`")]
+    outside = found["read outside any forward, in the training loop",][True]
+    assert [(f["reader"], f["phase"]) for f in outside] == [("(outside any forward)", "loop")]
+    changed = found["changed in a constructor, after `zero.Init` partitioned it",][False]
+    assert [(f["phase"], f["step"]) for f in changed] == [("constructor", None)]
+
+
+def command(target):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, SNIPPET, target], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_command_exits_1_on_a_finding_and_0_without():
+    found = command(f"{EXAMPLES}:tied_through_a_list")
+    assert found.returncode == 1, found.stderr[-2000:]
+    assert ("`deepspeed.zero.register_external_parameter(self, self.embeddings.weight)` in "
+            "`TiedThroughAList.__init__`") in found.stdout
+    clean = command(f"{EXAMPLES}:language_model")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert "No findings" in clean.stdout
+
+
+def test_example_without_arguments(expect_output):
+    result = run_snippet(SNIPPET, 1).check()
+    assert "embeddings.weight" in result.output
+    expect_output(result, output_file(SNIPPET))
