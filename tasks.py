@@ -319,8 +319,12 @@ def top_level(where):
     # {module: whether it is a regular package (has __init__.py)}, from top_level.txt if the
     # distribution has one, else from the files it installed (RECORD).
     names = read(where, "top_level.txt").split()
+    record = read(where, "RECORD")
     if names:
-        return {name: None for name in names if name.isidentifier()}
+        # top_level.txt can name a module the wheel does not install at the top (xxhash's lists
+        # _xxhash, which lives in xxhash/): only a name RECORD has files for is checked.
+        installs = lambda name: re.search(rf'^"?{re.escape(name)}(/|\\.[^/,]*,)', record, re.M)
+        return {name: None for name in names if name.isidentifier() and (not record or installs(name))}
     modules = {}
     for first, rest in re.findall(r'^"?([^/,\\n]+)(?:/([^,\\n]*))?', read(where, "RECORD"), re.M):
         if rest and first.isidentifier():
