@@ -41,7 +41,7 @@ def why_gate(config) -> tuple[bool, str]:
     chosen = config.getoption("snippet_coverage")
     if chosen is not None:
         return chosen, "--snippet-coverage" if chosen else "--no-snippet-coverage"
-    if config.getoption("changed", default=False):
+    if config.getoption("changed"):
         return False, "--changed runs only what the change affects"
     if config.getoption("collectonly"):
         return False, "--collect-only runs no example"

@@ -49,11 +49,12 @@ __all__ = ["ABORT_AT_EXIT", "AbortedAtExit", "check_torchrun", "run_torchrun", "
            "process_exists", "resolve_snippet", "run_fresh", "run_snippet", "torchrun_environment", "zygote_pids"]
 
 
-# Snippet line coverage (rankrun/coverage_gate.py) is measured in the first run of each
-# entry point of an example (the file as __main__, or one of its functions): the gate
-# asks that every line ran in some rank, and the coverage tracer adds ~40% to a
-# DeepSpeed run, so repeats (other world sizes, other tests) run without it.
-_measured_entry_points: set[tuple[Path, str | None]] = set()
+# Snippet line coverage (rankrun/coverage_gate.py) is measured in every distinct run of an
+# example: the gate asks that every line ran in some rank, and a line may run only at one rank
+# count or with one environment (a refusal of a rank count, a branch of a fresh process). The
+# run cache makes each distinct run once, so no run is measured twice; outside a test session,
+# a repeated run is not measured again.
+_measured_runs: set[tuple] = set()
 
 
 def _coverage_wanted(path: Path) -> bool:
@@ -97,8 +98,8 @@ def run_snippet(
 
 
 def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool) -> RunResult:
-    entry_point = (path, call)
-    if _coverage_wanted(path) and entry_point not in _measured_entry_points:
+    entry_point = (path, call, world_size, tuple(sorted((env or {}).items())), fresh)
+    if _coverage_wanted(path) and entry_point not in _measured_runs:
         env = {**(env or {}), "SNIPPET_COVERAGE_THIS_RUN": "1"}
     first_attempt = None
     for _ in range(2):
@@ -112,7 +113,7 @@ def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, en
         if first_attempt is not None:
             result.retried_because = first_attempt.failure_report()
         if not result.port_was_taken:
-            _measured_entry_points.add(entry_point)
+            _measured_runs.add(entry_point)
         if result.ok or not result.port_was_taken or first_attempt is not None:
             return result
         # The port was free when the runner chose it, and something took it before

@@ -181,7 +181,8 @@ def test_pytest_arguments_pass_workers_only_when_xdist_is_on(args, workers):
 
 
 def gate_config(invocation_dir: Path, args: list[str], source=pytest.Config.ArgsSource.ARGS, **options):
-    values = {"snippet_coverage": None, "collectonly": False, "keyword": "", "markexpr": "", **options}
+    values = {"snippet_coverage": None, "collectonly": False, "keyword": "", "markexpr": "", "changed": False,
+              **options}
     return SimpleNamespace(
         getoption=values.__getitem__, args=args, args_source=source,
         invocation_params=SimpleNamespace(dir=invocation_dir),

@@ -53,8 +53,8 @@ class ReaderTrainer(Trainer):
 # --8<-- [start:transpose]
 class TransposeTrainer(Trainer):  # the same product, written as F.linear(x, W^T)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        sampled_input_embed = F.linear(inputs["sampled_input"],
-                                       model.module.shared.weight.transpose(0, 1))
+        # The reader's line as they wrote it (one line: the traceback shows it whole).
+        sampled_input_embed = F.linear(inputs["sampled_input"], model.module.shared.weight.transpose(0, 1))
         # Never reached:
         outputs = model(inputs_embeds=sampled_input_embed, labels=inputs["labels"])
         return outputs.loss  # never reached: the product above raises
