@@ -268,7 +268,7 @@ def test_the_renderer_escapes_what_a_message_may_hold():
 def test_the_site_shows_the_notes_without_raw_tags_or_stray_markdown():
     """The pages as the strict build made them: each generated note on each page that
     includes it, read from the built HTML."""
-    from test_site import strict_build
+    from rankrun.site_build import strict_build
 
     result, site = strict_build()
     assert result.returncode == 0, result.stderr
