@@ -36,7 +36,7 @@ import tomllib
 import venv
 from pathlib import Path
 
-from rankrun.project import free_port, pins
+from rankrun.project import TORCHRUN, free_port, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "versions" / "releases.toml"
@@ -57,7 +57,6 @@ DEEPSPEED_NOISE = re.compile(
     r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] "
     r"|DeepSpeed \S+ built successfully$)"
 )
-TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
 ABORT_AT_EXIT = "terminate called without an active exception"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
