@@ -36,7 +36,7 @@ import tomllib
 import venv
 from pathlib import Path
 
-from rankrun.project import TORCHRUN, free_port, pins
+from rankrun.project import TORCHRUN, free_port, pins, without_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "versions" / "releases.toml"
@@ -281,7 +281,7 @@ def last_exception(stderr: str) -> str | None:
         return None
     for line in lines[starts[-1] + 1:]:
         if line and not line[0].isspace():
-            return line.rstrip()
+            return without_addresses(line.rstrip())
     return None
 
 
