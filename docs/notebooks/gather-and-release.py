@@ -104,7 +104,7 @@ FONT_POINTS = 11.5
 SMALLEST_POINTS = 11  # the column headers: the smallest text
 # One column of four panels, narrow enough that a phone shows it at nearly
 # its full size, so that its text stays readable there.
-WIDTH_INCHES = 4.1
+WIDTH_INCHES = 3.6
 
 
 def moment_label(event):
