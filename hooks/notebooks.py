@@ -250,8 +250,11 @@ MARKDOWN_CELL_BLOCK = re.compile(r'<div class="highlight"><pre><span></span>(.*?
 def material_code_blocks(html: str) -> str:
     """Markdown cells' code blocks in the markup of the other pages' code blocks, so that
     Material gives them its copy button (code cells keep mkdocs-jupyter's own button)."""
-    return MARKDOWN_CELL_BLOCK.sub(
+    html = MARKDOWN_CELL_BLOCK.sub(
         lambda m: f'<div class="highlight"><pre><span></span><code>{m.group(1)}</code></pre></div>', html)
+    # nbconvert's cell ids ("cell-id=3d58…") are not valid CSS selectors, and Material builds
+    # its copy button's target selector from the id of the block's cell.
+    return re.sub(r'id="cell-id=([\w-]+)"', r'id="cell-\1"', html)
 
 
 def notebook_page(page, config) -> None:
@@ -306,50 +309,51 @@ def on_pre_page(page, config, files):
 # every page's text starts), Material's fonts, colours and code-block look for the cells, and
 # its syntax colours instead of JupyterLab's; a code cell wider than the page scrolls sideways
 # with a visible scrollbar, as Material's code blocks do; the plot (an SVG of its own width)
-# shrinks to the page but never grows past its size.
+# shrinks to the page but never grows past its size. `.md-typeset` makes these rules more
+# specific than JupyterLab's, which the page has later.
 NOTEBOOK_CSS = """<style>
-.jupyter-wrapper, .jupyter-wrapper .jp-Notebook {
+.md-typeset .jupyter-wrapper, .md-typeset .jupyter-wrapper .jp-Notebook {
   padding: 0; background: transparent; color: inherit;
   font-family: inherit; font-size: inherit;
 }
-.jupyter-wrapper .jp-Cell, .jupyter-wrapper .jp-Cell-inputWrapper,
-.jupyter-wrapper .jp-Cell-outputWrapper, .jupyter-wrapper .jp-InputArea,
-.jupyter-wrapper .jp-OutputArea, .jupyter-wrapper .jp-OutputArea-child,
-.jupyter-wrapper .jp-RenderedHTMLCommon, .jupyter-wrapper .jp-RenderedText,
-.jupyter-wrapper .jp-RenderedImage, .jupyter-wrapper .jp-RenderedSVG {
+.md-typeset .jupyter-wrapper .jp-Cell, .md-typeset .jupyter-wrapper .jp-Cell-inputWrapper,
+.md-typeset .jupyter-wrapper .jp-Cell-outputWrapper, .md-typeset .jupyter-wrapper .jp-InputArea,
+.md-typeset .jupyter-wrapper .jp-OutputArea, .md-typeset .jupyter-wrapper .jp-OutputArea-child,
+.md-typeset .jupyter-wrapper .jp-RenderedHTMLCommon, .md-typeset .jupyter-wrapper .jp-RenderedText,
+.md-typeset .jupyter-wrapper .jp-RenderedImage, .md-typeset .jupyter-wrapper .jp-RenderedSVG {
   padding-left: 0; padding-right: 0; margin-left: 0; margin-right: 0;
   background: transparent; color: inherit; font-family: inherit; font-size: inherit;
 }
-.jupyter-wrapper .jp-Collapser, .jupyter-wrapper .jp-InputPrompt,
-.jupyter-wrapper .jp-OutputPrompt { display: none; }
-.jupyter-wrapper .jp-CodeCell .jp-InputArea-editor,
-.jupyter-wrapper .jp-CodeCell .CodeMirror {
+.md-typeset .jupyter-wrapper .jp-Collapser, .md-typeset .jupyter-wrapper .jp-InputPrompt,
+.md-typeset .jupyter-wrapper .jp-OutputPrompt { display: none; }
+.md-typeset .jupyter-wrapper .jp-CodeCell .jp-InputArea-editor,
+.md-typeset .jupyter-wrapper .jp-CodeCell .CodeMirror {
   border: 0; border-radius: .1rem; background: var(--md-code-bg-color);
 }
-.jupyter-wrapper .highlight-ipynb, .jupyter-wrapper .jp-RenderedText pre {
+.md-typeset .jupyter-wrapper .highlight-ipynb, .md-typeset .jupyter-wrapper .jp-RenderedText pre {
   background: var(--md-code-bg-color); color: var(--md-code-fg-color);
   font-family: var(--md-code-font-family); font-size: .85em;
 }
-.jupyter-wrapper .highlight-ipynb {
+.md-typeset .jupyter-wrapper .highlight-ipynb {
   overflow-x: auto; scrollbar-width: thin;
   scrollbar-color: var(--md-default-fg-color--lighter) transparent;
 }
-.jupyter-wrapper .jp-RenderedText pre { padding: .7720588235em 1.1764705882em; }
-.jupyter-wrapper .highlight-ipynb span { font-weight: normal; font-style: normal; }
-.jupyter-wrapper .highlight-ipynb :is(.k, .kc, .kd, .kn, .kp, .kr, .kt, .ow) {
+.md-typeset .jupyter-wrapper .jp-RenderedText pre { padding: .7720588235em 1.1764705882em; }
+.md-typeset .jupyter-wrapper .highlight-ipynb span { font-weight: normal; font-style: normal; }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.k, .kc, .kd, .kn, .kp, .kr, .kt, .ow) {
   color: var(--md-code-hl-keyword-color); }
-.jupyter-wrapper .highlight-ipynb :is(.s, .s1, .s2, .sa, .sb, .sc, .sd, .se, .sh, .si, .sx) {
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.s, .s1, .s2, .sa, .sb, .sc, .sd, .se, .sh, .si, .sx) {
   color: var(--md-code-hl-string-color); }
-.jupyter-wrapper .highlight-ipynb :is(.m, .mi, .mf, .mh, .mo, .il) {
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.m, .mi, .mf, .mh, .mo, .il) {
   color: var(--md-code-hl-number-color); }
-.jupyter-wrapper .highlight-ipynb :is(.nb, .bp, .kc) { color: var(--md-code-hl-constant-color); }
-.jupyter-wrapper .highlight-ipynb :is(.nf, .fm, .nc, .nd) { color: var(--md-code-hl-function-color); }
-.jupyter-wrapper .highlight-ipynb :is(.c, .c1, .ch, .cm, .cs, .sd) {
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.nb, .bp, .kc) { color: var(--md-code-hl-constant-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.nf, .fm, .nc, .nd) { color: var(--md-code-hl-function-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.c, .c1, .ch, .cm, .cs, .sd) {
   color: var(--md-code-hl-comment-color); }
-.jupyter-wrapper .highlight-ipynb :is(.o, .p) { color: var(--md-code-hl-punctuation-color); }
-.jupyter-wrapper .highlight-ipynb :is(.n, .nn, .nv, .w) { color: var(--md-code-fg-color); }
-.jupyter-wrapper .jp-RenderedImage, .jupyter-wrapper .jp-RenderedSVG { overflow-x: visible; }
-.jupyter-wrapper .jp-RenderedImage img, .jupyter-wrapper .jp-RenderedSVG img {
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.o, .p) { color: var(--md-code-hl-punctuation-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.n, .nn, .nv, .w) { color: var(--md-code-fg-color); }
+.md-typeset .jupyter-wrapper .jp-RenderedImage, .md-typeset .jupyter-wrapper .jp-RenderedSVG { overflow-x: visible; }
+.md-typeset .jupyter-wrapper .jp-RenderedImage img, .md-typeset .jupyter-wrapper .jp-RenderedSVG img {
   max-width: 100%; height: auto; }
 </style>"""
 

@@ -100,8 +100,8 @@ from matplotlib_inline.backend_inline import set_matplotlib_formats
 # browser can measure it (the site's tests check it is at least 12 px high).
 set_matplotlib_formats("svg")
 PARAMS = ["embeddings.weight", "mixer.weight", "mixer.bias"]
-FONT_POINTS = 11.5
-SMALLEST_POINTS = 11  # the column headers: the smallest text
+FONT_POINTS = 12
+SMALLEST_POINTS = 12  # the column headers: the smallest text
 # One column of four panels, narrow enough that a phone shows it at nearly
 # its full size, so that its text stays readable there.
 WIDTH_INCHES = 3.6

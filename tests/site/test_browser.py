@@ -236,13 +236,14 @@ def test_notebook_plot_and_code_are_readable(browser_page, site_url, width):
         assert widths and max(widths) <= 0, f"code cells need scrolling at {width} px: {widths}"
 
 
-# The notebook page reads like the others: its text starts where the page's title starts (no
+# The notebook page reads like the others: its text starts where every page's text starts, at
+# the version stamp (no
 # JupyterLab indentation), and its code cells and output have the background, font and keyword
 # colour of the Material code blocks on the same page (not JupyterLab's).
 NOTEBOOK_LOOK = """() => {
   const style = e => getComputedStyle(e);
   const left = e => Math.round(e.getBoundingClientRect().left);
-  const title = document.querySelector('article h1');
+  const title = document.querySelector('article p.verified-with');
   const material = document.querySelector('article .jp-MarkdownCell div.highlight pre > code');
   const cell = document.querySelector('article .jp-CodeCell .highlight-ipynb');
   const keyword = cell.querySelector('.kn, .k');
