@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -240,6 +241,22 @@ def execute(notebook: Path, root: Path, site_dir: Path, execute_it: bool = True)
             "executed_at": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(seconds, 1)}
 
 
+
+# A code block in a Markdown cell, as nbconvert renders it: Pygments' <div class="highlight"><pre>
+# without the <code> element that Material's copy button (and its code styling) attaches to.
+MARKDOWN_CELL_BLOCK = re.compile(r'<div class="highlight"><pre><span></span>(.*?)</pre></div>', re.S)
+
+
+def material_code_blocks(html: str) -> str:
+    """Markdown cells' code blocks in the markup of the other pages' code blocks, so that
+    Material gives them its copy button (code cells keep mkdocs-jupyter's own button)."""
+    html = MARKDOWN_CELL_BLOCK.sub(
+        lambda m: f'<div class="highlight"><pre><span></span><code>{m.group(1)}</code></pre></div>', html)
+    # nbconvert's cell ids ("cell-id=3d58…") are not valid CSS selectors, and Material builds
+    # its copy button's target selector from the id of the block's cell.
+    return re.sub(r'id="cell-id=([\w-]+)"', r'id="cell-\1"', html)
+
+
 def notebook_page(page, config) -> None:
     """Give the page its executed notebook's HTML and table of contents: cached or fresh."""
     root = project_root(config)
@@ -250,7 +267,7 @@ def notebook_page(page, config) -> None:
         log.info(f"Notebook {page.file.src_uri}: not executed ({FORCE_VARIABLE}=never): "
                  "the page shows no outputs")
         entry = execute(notebook, root, Path(config.site_dir).resolve(), execute_it=False)
-        page.content, page.toc = entry["html"], get_toc(entry["toc_tokens"])
+        page.content, page.toc = material_code_blocks(entry["html"]), get_toc(entry["toc_tokens"])
         return
     why = forced()
     entry = None
@@ -268,7 +285,7 @@ def notebook_page(page, config) -> None:
         os.replace(partial, entry_path)  # readers never see half an entry
         log.info(f"Notebook {page.file.src_uri}: executed in {entry['seconds']} s; it read "
                  f"{', '.join(entry['inputs']) or 'no project file'}")
-    page.content = entry["html"]
+    page.content = material_code_blocks(entry["html"])
     page.toc = get_toc(entry["toc_tokens"])
     if entry["title"]:
         page.title = entry["title"]
@@ -288,22 +305,56 @@ def on_pre_page(page, config, files):
     return page
 
 
-# Notebook pages, read like the rest of the site: a code cell wider than the page scrolls
-# sideways with a visible scrollbar, as Material's code blocks do; the plot keeps a legible
-# minimum width and scrolls sideways on a phone instead of shrinking.
+# Notebook pages, read like the rest of the site: no JupyterLab padding (the text starts where
+# every page's text starts), Material's fonts, colours and code-block look for the cells, and
+# its syntax colours instead of JupyterLab's; a code cell wider than the page scrolls sideways
+# with a visible scrollbar, as Material's code blocks do; the plot (an SVG of its own width)
+# shrinks to the page but never grows past its size. `.md-typeset` makes these rules more
+# specific than JupyterLab's, which the page has later.
 NOTEBOOK_CSS = """<style>
-.jupyter-wrapper .highlight-ipynb {
+.md-typeset .jupyter-wrapper, .md-typeset .jupyter-wrapper .jp-Notebook {
+  padding: 0; background: transparent; color: inherit;
+  font-family: inherit; font-size: inherit;
+}
+.md-typeset .jupyter-wrapper .jp-Cell, .md-typeset .jupyter-wrapper .jp-Cell-inputWrapper,
+.md-typeset .jupyter-wrapper .jp-Cell-outputWrapper, .md-typeset .jupyter-wrapper .jp-InputArea,
+.md-typeset .jupyter-wrapper .jp-OutputArea, .md-typeset .jupyter-wrapper .jp-OutputArea-child,
+.md-typeset .jupyter-wrapper .jp-RenderedHTMLCommon, .md-typeset .jupyter-wrapper .jp-RenderedText,
+.md-typeset .jupyter-wrapper .jp-RenderedImage, .md-typeset .jupyter-wrapper .jp-RenderedSVG {
+  padding-left: 0; padding-right: 0; margin-left: 0; margin-right: 0;
+  background: transparent; color: inherit; font-family: inherit; font-size: inherit;
+}
+.md-typeset .jupyter-wrapper .jp-Collapser, .md-typeset .jupyter-wrapper .jp-InputPrompt,
+.md-typeset .jupyter-wrapper .jp-OutputPrompt { display: none; }
+.md-typeset .jupyter-wrapper .jp-CodeCell .jp-InputArea-editor,
+.md-typeset .jupyter-wrapper .jp-CodeCell .CodeMirror {
+  border: 0; border-radius: .1rem; background: var(--md-code-bg-color);
+}
+.md-typeset .jupyter-wrapper .highlight-ipynb, .md-typeset .jupyter-wrapper .jp-RenderedText pre {
+  background: var(--md-code-bg-color); color: var(--md-code-fg-color);
+  font-family: var(--md-code-font-family); font-size: .85em;
+}
+.md-typeset .jupyter-wrapper .highlight-ipynb {
   overflow-x: auto; scrollbar-width: thin;
   scrollbar-color: var(--md-default-fg-color--lighter) transparent;
 }
-.jupyter-wrapper .jp-RenderedImage {
-  overflow-x: auto; scrollbar-width: thin;
-  scrollbar-color: var(--md-default-fg-color--lighter) transparent;
-}
-.jupyter-wrapper .jp-RenderedImage img { max-width: 100%; }
-@media screen and (max-width: 719px) {
-  .jupyter-wrapper .jp-RenderedImage img { min-width: 640px; }
-}
+.md-typeset .jupyter-wrapper .jp-RenderedText pre { padding: .7720588235em 1.1764705882em; }
+.md-typeset .jupyter-wrapper .highlight-ipynb span { font-weight: normal; font-style: normal; }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.k, .kc, .kd, .kn, .kp, .kr, .kt, .ow) {
+  color: var(--md-code-hl-keyword-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.s, .s1, .s2, .sa, .sb, .sc, .sd, .se, .sh, .si, .sx) {
+  color: var(--md-code-hl-string-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.m, .mi, .mf, .mh, .mo, .il) {
+  color: var(--md-code-hl-number-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.nb, .bp, .kc) { color: var(--md-code-hl-constant-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.nf, .fm, .nc, .nd) { color: var(--md-code-hl-function-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.c, .c1, .ch, .cm, .cs, .sd) {
+  color: var(--md-code-hl-comment-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.o, .p) { color: var(--md-code-hl-punctuation-color); }
+.md-typeset .jupyter-wrapper .highlight-ipynb :is(.n, .nn, .nv, .w) { color: var(--md-code-fg-color); }
+.md-typeset .jupyter-wrapper .jp-RenderedImage, .md-typeset .jupyter-wrapper .jp-RenderedSVG { overflow-x: visible; }
+.md-typeset .jupyter-wrapper .jp-RenderedImage img, .md-typeset .jupyter-wrapper .jp-RenderedSVG img {
+  max-width: 100%; height: auto; }
 </style>"""
 
 

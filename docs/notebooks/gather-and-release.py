@@ -86,19 +86,25 @@ for variant, run_of in timeline.items():
 # ## The timeline
 #
 # Time runs down the page: one row per moment a hook fired, in order, for two training
-# steps. One column per parameter. A colored cell means the rank held the full weight at
+# steps, first with the registration (two panels), then without it. One column per
+# parameter. A colored cell means the rank held the full weight at
 # that moment; a grey cell means it held only its empty partition, shape `(0,)`.
 # `embeddings.weight` is orange.
 
 # %%
 import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
+from matplotlib_inline.backend_inline import set_matplotlib_formats
 
+# SVG with its text kept as text: sharp at any width, and on the site the
+# browser can measure it (the site's tests check it is at least 12 px high).
+set_matplotlib_formats("svg")
 PARAMS = ["embeddings.weight", "mixer.weight", "mixer.bias"]
-FONT_POINTS = 11.5
-SMALLEST_POINTS = 11  # the column headers: the smallest text
-DPI = 100
-WIDTH_INCHES = 7.3
+FONT_POINTS = 12
+SMALLEST_POINTS = 12  # the column headers: the smallest text
+# One column of four panels, narrow enough that a phone shows it at nearly
+# its full size, so that its text stays readable there.
+WIDTH_INCHES = 3.6
 
 
 def moment_label(event):
@@ -113,45 +119,44 @@ def full(event, name):
     return event["params"][name]["shape"] != [0]
 
 
-plt.rcParams.update({"font.size": FONT_POINTS,
+plt.rcParams.update({"font.size": FONT_POINTS, "svg.fonttype": "none",
+                     "svg.hashsalt": "gather-and-release",
                      "xtick.labelsize": SMALLEST_POINTS})
-fig, axes = plt.subplots(
-    2, 2, figsize=(WIDTH_INCHES, 10), dpi=DPI, sharex=True,
-    sharey="row", constrained_layout=True)
+fig, axes = plt.subplots(4, 1, figsize=(WIDTH_INCHES, 16),
+                         constrained_layout=True)
 # 0: not held; 1: mixer's weight held; 2: embeddings.weight held
 colors = ListedColormap(["#eceff1", "#3949ab", "#ef6c00"])
 # Column edges: embeddings.weight, the longest name, gets the widest.
 edges = [0, 1.5, 2.5, 3.5]
-for column, (variant, run_of) in enumerate(timeline.items()):
-    for step in (0, 1):
-        ax = axes[step, column]
-        events = [e for e in run_of["events"] if e["step"] == step]
-        grid = [[(2 if name == PARAMS[0] else 1) * full(e, name)
-                 for name in PARAMS] for e in events]
-        ax.pcolormesh(edges, range(len(events) + 1), grid, cmap=colors,
-                      vmin=0, vmax=2, edgecolors="white", linewidth=2)
-        ax.set_ylim(len(events), 0)  # time runs down
-        ax.set_title(f"{variant}, step {step}")
-        ax.set_yticks([y + 0.5 for y in range(len(events))],
-                      [moment_label(e) for e in events])
-        ax.set_xticks([(a + b) / 2 for a, b in zip(edges, edges[1:])],
-                      [n.replace(".", "\n.") for n in PARAMS])
-        ax.tick_params(top=True, labeltop=step == 0,
-                       bottom=False, labelbottom=False, length=0)
+panels = [(variant, step) for variant in timeline for step in (0, 1)]
+for ax, (variant, step) in zip(axes, panels):
+    events = [e for e in timeline[variant]["events"] if e["step"] == step]
+    grid = [[(2 if name == PARAMS[0] else 1) * full(e, name)
+             for name in PARAMS] for e in events]
+    ax.pcolormesh(edges, range(len(events) + 1), grid, cmap=colors,
+                  vmin=0, vmax=2, edgecolors="white", linewidth=2)
+    ax.set_ylim(len(events), 0)  # time runs down
+    ax.set_title(f"{variant}, step {step}")
+    ax.set_yticks([y + 0.5 for y in range(len(events))],
+                  [moment_label(e) for e in events])
+    ax.set_xticks([(a + b) / 2 for a, b in zip(edges, edges[1:])],
+                  [n.replace(".", "\n.") for n in PARAMS], rotation=90)
+    ax.tick_params(top=True, labeltop=True, bottom=False,
+                   labelbottom=False, length=0)
 fig.suptitle("colored: the rank holds the full weight\n"
-             "grey: only its empty partition, shape (0,)")
+             "grey: only its empty partition,\nshape (0,)")
 plt.show()
 
 # %% [markdown]
 # ## What the timeline shows
 #
-# **Registered (left), step 0.** `embeddings.weight` is full from the start of
+# **Registered (first two panels), step 0.** `embeddings.weight` is full from the start of
 # `LanguageModel.forward` to its end: the registration asks DeepSpeed to gather it for
 # `LanguageModel.forward`, the forward that reads it in
 # `compute_logits(hidden, self.embeddings.weight)`. `mixer`'s weights are full only during
 # `mixer.forward`. At the end of `LanguageModel.forward` everything is released again.
 #
-# **Not registered (right), step 0.** `embeddings.weight` is full only while
+# **Not registered (last two panels), step 0.** `embeddings.weight` is full only while
 # `embeddings.forward` runs, like any module's own weight, and is already released when
 # `mixer.forward` starts. The read in `LanguageModel.forward` still works: DeepSpeed gathers
 # the weight when it is read and registers it on `LanguageModel` itself (this is the
