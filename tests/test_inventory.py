@@ -158,7 +158,7 @@ def test_tests_mirror_the_snippets(module):
 
 def test_the_mirror_check_sees_every_example_folder():
     folders = {module.parent.name for module in example_test_modules()}
-    assert folders == {"zero3", "pipeline", "transformers"}
+    assert folders == {"zero3", "pipeline", "transformers", "notebooks"}
 
 
 # The project's internal names: its seeds and its own tracker's issues (the word "issue" and a

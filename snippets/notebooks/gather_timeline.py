@@ -103,6 +103,10 @@ def show(events):
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if world != 2:  # rank 0 prints the losses of its own share of the batch
+        raise ValueError(f"rank 0's losses differ on {world} ranks (they are those "
+                         "of its share of the batch); run on 2 ranks (the printed "
+                         "output was checked there)")
     example = runpy.run_path(str(EXAMPLE))  # the page's LanguageModel, not a copy
     # For the notebook: how far ahead, in parameter elements, DeepSpeed looks before it
     # releases a weight (stage3_max_reuse_distance, as ZERO leaves it), and the model's size.

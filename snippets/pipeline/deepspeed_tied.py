@@ -74,10 +74,11 @@ def embedding_copy(module, tied):
 
 
 def max_difference_between_stages(weight):
-    """Largest |stage 0 copy - stage 1 copy|, on every rank."""
+    """Largest |stage 0 copy - stage 1 copy|, on every rank: each copy against rank 0's
+    (stage 0), as with more ranks than stages rank 1 may hold another stage 0."""
     copies = [torch.empty_like(weight) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(copies, weight.detach().contiguous())
-    return (copies[0] - copies[1]).abs().max().item()
+    return max((copy - copies[0]).abs().max().item() for copy in copies)
 # --8<-- [end:helpers]
 
 

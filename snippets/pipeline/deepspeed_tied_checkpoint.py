@@ -99,7 +99,11 @@ def stage_bytes(engine):
 
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    rank = torch.distributed.get_rank()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if world != 2:  # what rank r holds is printed as stage r's
+        raise ValueError(f"the stages are printed by rank: one rank per stage, not "
+                         f"{world} ranks; run on 2 ranks (the printed output was "
+                         "checked there)")
     shared = [tempfile.mkdtemp(prefix="tied-checkpoint-") if rank == 0 else None]
     torch.distributed.broadcast_object_list(shared, src=0)  # one directory for every rank
     directory = shared[0]

@@ -80,6 +80,11 @@ def record_norms(engine):
 def main():
     # --8<-- [start:main]
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    world = dist.get_world_size()
+    if world != 2:  # the norms add up every rank: one replica of the 2 stages
+        raise ValueError(f"the norms would count each stage once per replica on "
+                         f"{world} ranks; run on 2 ranks, one per stage (the printed "
+                         "norms were checked there)")
     layers = [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM), LayerSpec(Mixer), LayerSpec(Mixer),
               TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=logits_from_embedding)]
     model = PipelineModule(layers, num_stages=2, loss_fn=cross_entropy,

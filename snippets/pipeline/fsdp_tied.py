@@ -56,6 +56,9 @@ def train(tie_in_one_group, device):
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 ranks (the printed losses were checked there)")
     tokens, targets = (t.to(device) for t in batch())
     mine = slice(rank, None, world)  # data parallel: each rank trains on its share of the batch
     losses = []

@@ -89,6 +89,9 @@ def train(layout, device):
     wrapped = wrap(layout, model, device)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 ranks (the printed losses were checked there)")
     tokens, targets = (t.to(device) for t in batch())
     mine = slice(rank, None, world)  # data parallel: each rank trains on its share
     losses, gaps = [], []

@@ -44,6 +44,9 @@ def make_batch(step):
 def train(model, ds_config):
     """Train under ZeRO-3: the full initial weights, each step's loss and grads."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     weight = model.transformer.wte.weight
     if rank == 0:
         print("wte.weight:", tuple(weight.shape), "full:", tuple(weight.ds_shape))

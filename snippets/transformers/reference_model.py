@@ -120,6 +120,9 @@ def main():
     student_dir, teacher_dir = saved(STUDENT_SEED), saved(TEACHER_SEED)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
     say(f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
         f"trl {trl.__version__}")

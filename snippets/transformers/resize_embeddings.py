@@ -104,6 +104,9 @@ def main():
     tiny_llama().save_pretrained(directory)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
     config = ds_config(world)
     results = {}

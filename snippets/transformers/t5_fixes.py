@@ -16,7 +16,8 @@ from deepspeed.utils import safe_get_full_grad
 from torch import nn
 from transformers import PrinterCallback, T5ForConditionalGeneration, Trainer, TrainerCallback
 
-from tiny_t5 import fresh_accelerate_state, save_tiny_t5, soft_inputs_dataset, training_arguments
+from tiny_t5 import (EXAMPLES, fresh_accelerate_state, save_tiny_t5,
+                     soft_inputs_dataset, training_arguments)
 
 
 # --8<-- [start:wrapper]
@@ -114,6 +115,10 @@ def error_of(call):
 
 def main():
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if EXAMPLES % world_size:  # unequal shares would weigh the examples unequally
+        raise ValueError(f"{EXAMPLES} examples do not split evenly over {world_size} "
+                         "ranks; run on 2 or 4 ranks (the printed losses were checked "
+                         "on both)")
     directory = save_tiny_t5()
     say = print if rank == 0 else (lambda *args: None)
     results = {}

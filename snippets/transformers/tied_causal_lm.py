@@ -158,6 +158,10 @@ def broken_ties(saved, warnings):
 
 def main():
     world_size = int(os.environ["WORLD_SIZE"])
+    if EXAMPLES % world_size:  # uneven shares: other steps, another checkpoint
+        raise ValueError(f"{EXAMPLES} examples do not split evenly over {world_size} "
+                         "ranks; run on 2 or 4 ranks (the saved model was checked on "
+                         "both)")
     directory = save_tiny_llama()
     warnings = Warnings()
     transformers.logging.get_logger("transformers").addHandler(warnings)

@@ -114,6 +114,9 @@ def run(case, rank, world):
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     seen = {case: run(case, rank, world) for case in CASES}
     torch.distributed.destroy_process_group()
     return seen

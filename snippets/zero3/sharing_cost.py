@@ -289,6 +289,9 @@ def on_paper(results, vocab=262144, hidden=4096, bytes_per_value=2):
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     results = {name: train(model, settings, rank, world) for name, (model, settings) in VARIANTS.items()}
     if rank == 0:
         report(results, world)

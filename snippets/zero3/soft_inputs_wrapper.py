@@ -55,6 +55,9 @@ def make_batch(step):
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},

@@ -89,6 +89,10 @@ def train_step(engine, schedule, step):
 
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    world = torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     say = print if torch.distributed.get_rank() == 0 else (lambda *args, **kwargs: None)
     results = {}
     for schedule in SCHEDULES:

@@ -230,6 +230,9 @@ def sixteen_bit_off(rank, world):
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
+        raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
+                         "on 2 or 4 ranks (the printed losses were checked on both)")
     results = {name: save_and_reload(name, rank, world) for name in MODELS}
     results["gather_off"] = sixteen_bit_off(rank, world)
     torch.distributed.barrier()

@@ -71,6 +71,25 @@ def test_tied_layers_match_one_process_and_untied_copies_diverge(reference, expe
     expect_output(result, output_file(SNIPPET))
 
 
+def example_lines(output):
+    """What the example prints, without DeepSpeed's lines (the topology, the layers)."""
+    mine = ("TiedLayerSpec", "LayerSpec (no tie)", "  max |", "  step ")
+    return [line for line in output.splitlines() if line.startswith(mine)]
+
+
+def test_on_4_ranks_two_replicas_of_each_stage_print_the_same_numbers(reference):
+    """On 4 ranks DeepSpeed puts stage 0 on ranks 0 and 1 (two data-parallel replicas, the same
+    micro-batches), so rank 1's copy is stage 0's: each copy is compared with rank 0's, and
+    example's own lines are the ones it prints on 2 ranks (DeepSpeed's, which name the
+    topology, are left out)."""
+    result = run_snippet(SNIPPET, 4, call="main").check()
+    assert example_lines(result.output) == example_lines(output_file(SNIPPET).read_text())
+    ref_losses, _ = reference
+    for rank in range(4):
+        assert_matches(result.returned(rank)["tied"]["losses"], ref_losses, f"rank {rank}")
+        assert result.returned(rank)["untied"]["differences"][0] > 1.0, rank
+
+
 def test_tied_gradients_are_reduced_after_the_backward_passes_and_before_the_step():
     """The order the page states, read from DeepSpeed's own training schedule."""
     from deepspeed.runtime.pipe import schedule

@@ -48,3 +48,13 @@ def test_checkpoint_save_load_and_resplit(expect_output):
         assert bytes0 == bytes1 == {"parameters": 512 + (8 * 8 + 8) * 4, "tied weight": 512,
                                     "tied Adam state": 1024}
     expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_other_than_one_per_stage_is_refused():
+    """On 4 ranks DeepSpeed makes two replicas of the 2 stages; what rank r holds would be
+    printed as stage r's. The example says so instead."""
+    result = run_snippet(SNIPPET, 4, call="main", timeout=300)
+    assert not result.ok and result.errors == [
+        "ValueError: the stages are printed by rank: one rank per stage, not 4 "
+        "ranks; run on 2 ranks (the printed output was checked there)"]
+    assert result.output == ""

@@ -72,3 +72,13 @@ def test_deepspeed_clips_by_the_norm_of_stage_0_only(expect_output):
         assert not matches(got["losses"][-1], torch_losses[-1])
     print(f"{DEEPSPEED}: {result.seconds:.1f} s on 2 ranks")
     expect_output(result, output_file(DEEPSPEED))
+
+
+def test_a_rank_count_other_than_one_per_stage_is_refused():
+    """On 4 ranks DeepSpeed makes two replicas of the 2 stages; the whole-model norm, summed
+    over every rank, would count each stage twice. The example says so instead."""
+    result = run_snippet(DEEPSPEED, 4, call="main", timeout=300)
+    assert not result.ok and result.errors == [
+        "ValueError: the norms would count each stage once per replica on 4 "
+        "ranks; run on 2 ranks, one per stage (the printed norms were checked there)"]
+    assert result.output == ""

@@ -52,3 +52,13 @@ def test_tie_split_over_two_fsdp_groups_raises(expect_output):
     # The first model (tie in one group) trained before that.
     assert result.output.count("step ") == 3
     expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 ranks (the printed losses were checked there)"]
+    assert result.output == ""

@@ -55,3 +55,13 @@ def test_layouts(expect_output):
         assert not matches(separate["losses"], ref_losses)
         assert not matches(separate["embed"], ref_weight)
     expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 ranks (the printed losses were checked there)"]
+    assert result.output == ""

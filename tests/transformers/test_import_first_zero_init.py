@@ -39,3 +39,13 @@ def test_the_fix_trains_like_one_process(world_size, expect_output):
         assert_same_training(got, reference, f"rank {rank}")
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
+    page's loss: train(), shared with hf_config_zero_init.py, says so instead."""
+    result = run_snippet(SNIPPET, 3, call="main", timeout=TIMEOUT)
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""

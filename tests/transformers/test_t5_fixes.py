@@ -118,3 +118,13 @@ def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output
         shutil.rmtree(result.returned(0)["saved"], ignore_errors=True)
     if world_size == 2:
         expect_output(result, output_file(FIXES))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks Trainer's steps would take 6 of the 8 examples, then 2: other losses than
+    the page's. The example says so instead of printing them."""
+    result = run_snippet(FIXES, 3, call="main", timeout=TIMEOUT)
+    assert not result.ok and result.errors == [
+        "ValueError: 8 examples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""

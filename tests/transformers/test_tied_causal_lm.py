@@ -93,3 +93,13 @@ def test_save_model_then_from_pretrained_in_one_process(world_size, reference, e
     assert not any(UNTIED in message for message in broken["fixed_warnings"])
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks Trainer's steps would take 6 of the 8 examples, then 2: other steps and another
+    checkpoint than the page's. The example says so instead."""
+    result = run_snippet(SNIPPET, 3, call="main", timeout=TIMEOUT)
+    assert not result.ok and result.errors == [
+        "ValueError: 8 examples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the saved model was checked on both)"]
+    assert result.output == ""

@@ -94,3 +94,13 @@ def test_upstream_example_is_quoted_and_its_constructor_raises():
     assert str(raised.value) == UPSTREAM_ERROR
     assert raised.traceback[-1].path.as_posix().endswith("torch/nn/modules/module.py")
     assert f"TypeError: {UPSTREAM_ERROR}" in page
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""

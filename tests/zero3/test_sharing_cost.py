@@ -191,3 +191,13 @@ def test_the_plot_is_drawn_again_only_when_its_data_changes(tmp_path, monkeypatc
     (tmp_path / hook.DATA).write_text((ROOT / hook.DATA).read_text().replace("\t0\t", "\t1\t", 1))
     assert hook.cached_image(tmp_path) == "<svg>2</svg>"
     assert [p.read_text() for p in (tmp_path / ".cache/sharing-cost").iterdir()] == ["<svg>2</svg>"]
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 4 samples split 2/1/1 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 4 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""

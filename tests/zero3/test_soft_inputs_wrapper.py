@@ -34,3 +34,13 @@ def test_soft_inputs_in_a_wrapper_forward_match_plain_pytorch(world_size, expect
         assert_same_training(result.returned(rank), reference, f"rank {rank}")
     if world_size == 2:
         expect_output(result, output_file(WRAPPER))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks each rank would take 2 of the 8 samples, 6 in all, and the losses would not be
+    the page's: the example says so instead of printing other numbers."""
+    result = run_snippet(WRAPPER, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""

@@ -69,3 +69,13 @@ def test_a_module_skipped_on_some_steps(world_size, expect_output):
     assert all("Invalidate" not in rank.stdout for rank in result.ranks[1:])
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 4 samples split 2/1/1 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main")
+    assert not result.ok and result.errors == [
+        "ValueError: 4 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""

@@ -92,3 +92,13 @@ def test_checkpoints_reload_in_one_process(world_size, reference, expect_output)
         assert result.returned(rank)["gather_off"] == {"returned": False, "exists": False}
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
+
+
+def test_a_rank_count_that_does_not_split_the_batch_is_refused():
+    """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
+    page's loss: the example says so instead of printing other numbers."""
+    result = run_snippet(SNIPPET, 3, call="main", timeout=TIMEOUT)
+    assert not result.ok and result.errors == [
+        "ValueError: 8 samples do not split evenly over 3 ranks; "
+        "run on 2 or 4 ranks (the printed losses were checked on both)"]
+    assert result.output == ""
