@@ -143,6 +143,22 @@ def breakdown(rows):
         print(" ", " | ".join(key), f"{table[key]['works']}/{table[key]['fails']}")
 
 
+def report_rows(path):
+    """The report of the rows a run wrote, also of a run that stopped before the end."""
+    rows, four = {}, {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        (rows if row["ranks"] == 2 else four)[row["index"]] = row
+    report(rows, "2 ranks")
+    four = {i: {**r, "verdict": rows[i]["verdict"], "findings": rows[i]["findings"]}
+            for i, r in four.items() if i in rows}
+    if four:
+        report(four, "4 ranks")
+        same = sum(four[i]["outcome"] == rows[i]["outcome"] for i in four)
+        print(f"  4-rank outcome equals the 2-rank outcome for {same} of {len(four)} models")
+    breakdown(rows)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--first", type=int, default=0)
@@ -150,7 +166,10 @@ def main():
     parser.add_argument("--chunk", type=int, default=50)
     parser.add_argument("--four-ranks", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--from-rows", help="report the rows a run wrote (GENERATED_ROWS)")
     args = parser.parse_args()
+    if args.from_rows:
+        return report_rows(args.from_rows)
     started = time.perf_counter()
     try:
         rows = compare(args.first, args.count, args.chunk, 2, args.timeout)
