@@ -87,6 +87,8 @@ def compare(first, count, chunk, world_size, timeout):
 def report(rows, label):
     agree = sum(agrees(r["outcome"], r["verdict"]) for r in rows.values())
     print(f"\n{label}: {len(rows)} models, checker agrees on {agree}, disagrees on {len(rows) - agree}")
+    works = sum((r["outcome"] == "works") == (r["verdict"] == "no findings") for r in rows.values())
+    print(f"  works or not (no findings or some): agrees on {works} of {len(rows)}")
     spec_keys = list(next(iter(rows.values()))["spec"])
     for key in spec_keys:
         counts = collections.defaultdict(lambda: [0, 0])
@@ -110,6 +112,53 @@ def report(rows, label):
                   f"    checker: {r['verdict']} {r['findings']}")
 
 
+# Access paths whose read the getter of ZeRO-3's module attribute does not see.
+HIDDEN = {"named_parameters", "parameters", "state_dict", "list of Parameter",
+          "dict of Parameter", "object with Parameter"}
+
+
+def breakdown(rows):
+    """The real 2-rank runs, works/fails, by what decides them."""
+    def works(r):
+        return "works" if r["outcome"] == "works" else "fails"
+
+    table = collections.defaultdict(collections.Counter)
+    for r in rows.values():
+        s = r["spec"]
+        path = "not seen by the getter" if s["access"] in HIDDEN else "through the owner's attribute"
+        table[(path, s["compute"], s["register"])][works(r)] += 1
+    print("\nreal 2-rank runs: works/fails by access path, compute, registration")
+    for key in sorted(table):
+        print(" ", " | ".join(key), f"{table[key]['works']}/{table[key]['fails']}")
+    table = collections.defaultdict(collections.Counter)
+    for r in rows.values():
+        s = r["spec"]
+        if s["access"] in HIDDEN or s["register"] != "nowhere":
+            continue
+        gap = any(s["read slot"] <= c < s["use slot"] for c in range(s["owner calls"]))
+        timing = "owner call between read and use" if gap else "no owner call between"
+        table[(s["entry"], timing)][works(r)] += 1
+    print("attribute paths, registered nowhere: works/fails by entry and timing")
+    for key in sorted(table):
+        print(" ", " | ".join(key), f"{table[key]['works']}/{table[key]['fails']}")
+
+
+def report_rows(path):
+    """The report of the rows a run wrote, also of a run that stopped before the end."""
+    rows, four = {}, {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        (rows if row["ranks"] == 2 else four)[row["index"]] = row
+    report(rows, "2 ranks")
+    four = {i: {**r, "verdict": rows[i]["verdict"], "findings": rows[i]["findings"]}
+            for i, r in four.items() if i in rows}
+    if four:
+        report(four, "4 ranks")
+        same = sum(four[i]["outcome"] == rows[i]["outcome"] for i in four)
+        print(f"  4-rank outcome equals the 2-rank outcome for {same} of {len(four)} models")
+    breakdown(rows)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--first", type=int, default=0)
@@ -117,7 +166,10 @@ def main():
     parser.add_argument("--chunk", type=int, default=50)
     parser.add_argument("--four-ranks", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--from-rows", help="report the rows a run wrote (GENERATED_ROWS)")
     args = parser.parse_args()
+    if args.from_rows:
+        return report_rows(args.from_rows)
     started = time.perf_counter()
     try:
         rows = compare(args.first, args.count, args.chunk, 2, args.timeout)
@@ -129,6 +181,7 @@ def main():
                 four[i]["verdict"], four[i]["findings"] = rows[i]["verdict"], rows[i]["findings"]
             report(four, "4 ranks")
             print(f"  4-rank outcome equals the 2-rank outcome for {same} of {len(four)} models")
+        breakdown(rows)
     finally:
         close_pools()
     print(f"\nwall {time.perf_counter() - started:.0f} s; load average {os.getloadavg()}")

@@ -100,7 +100,8 @@ class _Watch:
     def __init__(self):
         self.phase, self.step, self.root = "constructor", None, None
         self.seen = {}  # (param id, reader, phase) -> raw record
-        self.gathered = {}  # param id -> param, gathered by the checker
+        self.gathered = {}  # param id -> param, gathered by the checker in this step
+        self.missed = set()  # ids of the parameters whose reads the checker recorded
         self.last_reader = {}  # param id -> (reader module, or None)
         self.running = []  # modules whose forward has started and not returned
 
@@ -130,7 +131,17 @@ class _Watch:
 
         modules = torch.nn.modules.module
         return [modules.register_module_forward_pre_hook(started),
-                modules.register_module_forward_hook(ended, always_call=True)]
+                modules.register_module_forward_hook(ended, always_call=True),
+                _FunctionApplyWatch(self)]
+
+    def before_accumulate(self, param):
+        """Before autograd adds a gradient to `param`: a parameter whose read the checker
+        gathered may have been partitioned again by ZeRO-3 since (its owner's forward or
+        backward ended; in a later step, its prefetch made the read work), and autograd
+        shapes the gradient after the parameter. Not a read of the model's: gather it
+        again, so that the step goes on, and record nothing."""
+        if id(param) in self.missed and param.ds_status != ZeroParamStatus.AVAILABLE:
+            self.gather(param)
 
     def record(self, param, frame, backward=False):
         module = None if self.phase == "constructor" else self.running_module()
@@ -142,9 +153,13 @@ class _Watch:
         key = (id(param), id(module), phase)
         if key not in self.seen:
             self.seen[key] = (param, module, phase, self.step, _constructor_of(frame))
+        self.missed.add(id(param))
         if param.ds_status != ZeroParamStatus.AVAILABLE:
-            _gather(param)
-            self.gathered[id(param)] = param
+            self.gather(param)
+
+    def gather(self, param):
+        _gather(param)
+        self.gathered[id(param)] = param
 
     def note_use(self, args, kwargs):
         """Remember which forward last computed with each gathered parameter (for backward)."""
@@ -174,6 +189,29 @@ def _constructor_of(frame):
                 return owner
         frame = frame.f_back
     return None
+
+
+class _FunctionApplyWatch:
+    """Sees the parameters given to a custom autograd Function (ZeRO-3's stand-in for
+    F.linear is one): the Function takes its inputs' shapes when it is called, before the
+    operations inside it run, so a parameter must be gathered before the call."""
+
+    def __init__(self, watch):
+        self.watch = watch
+        self.original = torch.autograd.Function.__dict__["apply"]
+        original = self.original.__func__
+
+        def apply(cls, *args, **kwargs):
+            missing = _unavailable(args, kwargs)
+            if missing and not _from_deepspeed(sys._getframe(1)):
+                for param in missing:
+                    watch.record(param, sys._getframe(1))
+            return original(cls, *args, **kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)
+
+    def remove(self):
+        torch.autograd.Function.apply = self.original
 
 
 class _FunctionWatch(TorchFunctionMode):
@@ -282,6 +320,9 @@ def _build(build, watch, errors):
 def _train(model, inputs, loop, steps, watch, errors):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
+    for param in model.parameters():
+        if param.requires_grad:  # runs before autograd accumulates the gradient
+            param.register_hook(lambda grad, param=param: watch.before_accumulate(param))
     for step in range(steps):
         watch.step = step
         try:

@@ -213,8 +213,12 @@ def train_zero3(spec):
 
 
 def indices():
-    """Which models this run trains: GENERATED_MODELS=first:count, or the sample."""
-    first, _, count = os.environ.get("GENERATED_MODELS", f"0:{SAMPLE}").partition(":")
+    """Which models this run trains: GENERATED_MODELS=first:count or a list like 40,66;
+    by default the sample."""
+    chosen = os.environ.get("GENERATED_MODELS", f"0:{SAMPLE}")
+    if ":" not in chosen:
+        return [int(index) for index in chosen.split(",")]
+    first, _, count = chosen.partition(":")
     return range(int(first), int(first) + int(count))
 
 
