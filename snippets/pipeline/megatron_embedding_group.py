@@ -1,8 +1,8 @@
-"""Megatron Core's embedding group: the tie between the first and the last pipeline stage.
+"""Megatron Core's embedding group: the tie between the first and the last stage.
 
 Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/megatron_embedding_group.py
-(DS_ACCELERATOR is not used here; the command is the same as for the DeepSpeed examples.)
+(DS_ACCELERATOR is not used here; the command is the one of the DeepSpeed examples.)
 Run and tested here on CPU only, over gloo, with megatron-core 0.16.1; not run on GPUs.
 """
 import torch
@@ -10,9 +10,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
-# A private function (leading underscore): the step of finalize_model_grads that keeps the
-# tie. It is not a public API and may change between releases.
-from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
+# A private function (leading underscore): the step of finalize_model_grads that keeps
+# the tie. It is not a public API and may change between releases.
+from megatron.core.distributed.finalize_model_grads import (
+    _allreduce_word_embedding_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -44,7 +46,7 @@ def cross_entropy(logits, targets):
 
 
 def batch():
-    """MICRO_BATCHES * MICRO_BATCH sequences: the same on every rank, every step, every run."""
+    """MICRO_BATCHES * MICRO_BATCH sequences: the same on every rank, step and run."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (MICRO_BATCHES * MICRO_BATCH, SEQ + 1),
                            generator=generator)
@@ -53,7 +55,8 @@ def batch():
 
 def tiny_gpt_config():
     return TransformerConfig(num_layers=2, hidden_size=DIM, num_attention_heads=2,
-                             pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                             pipeline_model_parallel_size=2,
+                             pipeline_dtype=torch.float32,
                              use_cpu_initialization=True)
 
 
@@ -146,8 +149,8 @@ def main():
                 dist.send(hidden.grad, dst=0)
                 step_loss += loss.detach() / MICRO_BATCHES
         shares.append(shared.grad.clone())  # this stage's use only
-        # What finalize_model_grads does for the tie: all-reduce (sum) the gradient of the
-        # shared weight over the embedding group, on the first and the last stage.
+        # What finalize_model_grads does for the tie: all-reduce (sum) the gradient of
+        # the shared weight over the embedding group, on the first and the last stage.
         _allreduce_word_embedding_grads([stage], config)
         summed.append(shared.grad.clone())
         optimizer.step()
@@ -162,7 +165,8 @@ def main():
     dist.all_gather(first_shares, shares[0])
     if rank == 0:
         print(f"embedding group ranks: {group_ranks}")
-        print(f"GPTModel(share_embeddings_and_output_weights=True) on CPU: {startup_error}")
+        print("GPTModel(share_embeddings_and_output_weights=True) on CPU: "
+              f"{startup_error}")
         print("before the start-up tie, max |first copy - last copy|: "
               f"{(starts[0] - starts[1]).abs().max().item():.4f}")
         for step, loss in enumerate(losses):
@@ -176,7 +180,8 @@ def main():
     dist.destroy_process_group()
     return {"group_ranks": group_ranks, "startup_error": startup_error,
             "starts": starts, "losses": losses, "first_shares": first_shares,
-            "first_summed": summed[0], "copies": copies, "weight": shared.detach().clone()}
+            "first_summed": summed[0], "copies": copies,
+            "weight": shared.detach().clone()}
 
 
 if __name__ == "__main__":
