@@ -100,7 +100,7 @@ class Stage(nn.Module):
 
 def main():
     # --8<-- [start:group]
-    dist.init_process_group("gloo")
+    dist.init_process_group()  # no backend named: gloo for CPU tensors
     rank = dist.get_rank()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=2)
