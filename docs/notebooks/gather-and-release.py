@@ -98,7 +98,10 @@ from matplotlib_inline.backend_inline import set_matplotlib_formats
 
 # SVG with its text kept as text: sharp at any width, and on the site the
 # browser can measure it (the site's tests check it is at least 12 px high).
-set_matplotlib_formats("svg")
+# bbox_inches=None: the figure keeps the width below (constrained_layout fits
+# the labels inside it), whatever the labels' lengths; "tight" would widen it
+# to the longest label, and a phone would show it, and its text, smaller.
+set_matplotlib_formats("svg", bbox_inches=None)
 PARAMS = ["embeddings.weight", "mixer.weight", "mixer.bias"]
 FONT_POINTS = 12
 SMALLEST_POINTS = 12  # the column headers: the smallest text
