@@ -103,3 +103,19 @@ def train_causal_lm_in_one_process(model, initial, batches, lr):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, grads
+
+
+def train_adapter_in_one_process(model, batches, lr):
+    """A Hugging Face causal LM with frozen weights (a PEFT model) trained with plain SGD on the
+    parameters that require a gradient, as Trainer's optim="sgd" with a constant LR and no
+    clipping does: each step's loss (the model's own, labels = inputs). The model is trained in
+    place."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
