@@ -124,8 +124,8 @@ def main():
         low, _, high = statistics.quantiles(ms, n=4)
         say(f"{schedule:26s} {statistics.median(ms):15.2f} [{low:6.2f}, {high:6.2f}]"
             f" {invalidations[schedule]:10d}")
-    say("time per step of one schedule over another, in the same round: median of the rounds "
-        "[95% confidence interval of the median]")
+    say("ratio of the times per step within a round: median over the rounds "
+        "[95% CI of the median]")
     for slower, baseline in RATIOS:
         ratios = [a / b for a, b in zip(seconds[slower], seconds[baseline])]
         low, high = median_interval(ratios)
