@@ -108,8 +108,9 @@ def train_causal_lm_in_one_process(model, initial, batches, lr):
 
 
 def train_tied_pipeline_in_one_process(fresh_optimizer_after=None):
-    """snippets/pipeline/deepspeed_tied_checkpoint.py's model in one process: one embedding as input layer and head, layer i built
-    after torch.manual_seed(SEED + i) as seed_layers=True does, Adam with the snippet's LR,
+    """snippets/pipeline/deepspeed_tied_checkpoint.py's model in one process: one embedding as
+    input layer and head, layer i built after torch.manual_seed(SEED + i) as seed_layers=True
+    does, Adam with the snippet's LR,
     each step the mean over its micro-batches. With `fresh_optimizer_after=n`, Adam starts
     anew after n steps (what loading without the optimizer state does)."""
     ex = runpy.run_path(str(ROOT / "snippets/pipeline/deepspeed_tied_checkpoint.py"), run_name="reference")
@@ -130,8 +131,7 @@ def train_tied_pipeline_in_one_process(fresh_optimizer_after=None):
 
 def train_checkpoint_example_in_one_process(ex, name):
     """snippets/zero3/zero3_checkpoint.py's model `name`, batches and SGD in one process (`ex`:
-    the snippet's namespace): the losses of all STEPS steps and
-    the weights after SAVED_AFTER and after SAVED_AFTER + 1 steps (names as state_dict has them)."""
+    the snippet's namespace): the losses of all STEPS steps and the weights after SAVED_AFTER and after SAVED_AFTER + 1 steps (names as state_dict has them)."""
     torch.manual_seed(ex["SEED"])
     model = ex["MODELS"][name]()
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
@@ -146,3 +146,19 @@ def train_checkpoint_example_in_one_process(ex, name):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, weights
+
+
+def train_adapter_in_one_process(model, batches, lr):
+    """A Hugging Face causal LM with frozen weights (a PEFT model) trained with plain SGD on the
+    parameters that require a gradient, as Trainer's optim="sgd" with a constant LR and no
+    clipping does: each step's loss (the model's own, labels = inputs). The model is trained in
+    place."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

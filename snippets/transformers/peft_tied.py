@@ -19,7 +19,7 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM, PrinterCallback, Trainer
 
-from tied_causal_lm import error_text, save_tiny_llama, token_dataset, training_arguments
+from tied_causal_lm import SEED, error_text, save_tiny_llama, token_dataset, training_arguments
 from tiny_t5 import fresh_accelerate_state
 
 
@@ -47,7 +47,9 @@ def train_lora(directory, world_size, ensure_weight_tying):
     fresh_accelerate_state()
     # --8<-- [start:train]
     args = training_arguments(world_size, gather_on_save=True)
+    args.set_logging(strategy="steps", steps=1)  # each loss, in state.log_history
     model = LlamaForCausalLM.from_pretrained(directory)
+    torch.manual_seed(SEED)  # LoRA draws its A matrices now: the same on every rank
     with warnings.catch_warnings(record=True) as warned:  # shown in the output
         warnings.simplefilter("always")
         model = get_peft_model(model, lora_config(ensure_weight_tying))
@@ -63,8 +65,10 @@ def train_lora(directory, world_size, ensure_weight_tying):
     with torch.no_grad():
         inputs = torch.stack([example["input_ids"] for example in token_dataset()])
         logits = engine(input_ids=inputs.to(engine.device)).logits.cpu()
-    return {"adapter": adapter, "one parameter": same, "warned": messages(warned), "copies equal": torch.equal(embed, head),
-            "logits": logits, "inputs": inputs}
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"adapter": adapter, "one parameter": same, "warned": messages(warned),
+            "copies equal": torch.equal(embed, head), "logits": logits,
+            "inputs": inputs, "losses": losses}
 
 
 def merged_logits(directory, adapter, inputs):
