@@ -114,8 +114,11 @@ def main():
     outcomes = {}
     for name in CASES:
         # One rank of its own on a new port, in a new interpreter: nothing imported yet.
-        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+        # Without torchrun's TORCHELASTIC_* variables: TORCHELASTIC_USE_AGENT_STORE
+        # would make it connect to a store on that port that nobody serves, forever.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_PORT=str(free_port()))
         done = subprocess.run([sys.executable, __file__, name], env=env,
                               capture_output=True, text=True, timeout=600)
         lines = [line for line in done.stdout.splitlines()

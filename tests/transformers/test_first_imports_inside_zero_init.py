@@ -3,7 +3,7 @@ deepspeed.zero.Init raise torch's TypeError. Each case runs in a new interpreter
 snippet starts, so the warm pool's imports do not reach it."""
 
 from rankrun.pages import output_file
-from rankrun.runner import run_snippet
+from rankrun.runner import check_torchrun, printed_by_the_example, run_snippet, run_torchrun
 
 SNIPPET = "snippets/transformers/first_imports_inside_zero_init.py"
 TIMEOUT = 900  # ten new interpreters, most of them importing Transformers
@@ -29,3 +29,10 @@ def test_each_first_import_inside_zero_init(expect_output):
     for case, outcome in {**BUILDS, **COMPILE}.items():
         assert outcomes[case] == outcome, (case, outcomes[case])
     expect_output(result, output_file(SNIPPET))
+
+
+def test_the_documented_torchrun_command_prints_the_same():
+    """Under real torchrun, whose TORCHELASTIC_* variables a case's new interpreter would inherit
+    (TORCHELASTIC_USE_AGENT_STORE made each case wait forever for a store nobody serves)."""
+    done = check_torchrun(run_torchrun(SNIPPET, 1, timeout=TIMEOUT))
+    assert printed_by_the_example(done.stdout) == output_file(SNIPPET).read_text()
