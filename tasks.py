@@ -384,9 +384,11 @@ print("\\n".join(problems))
 
 
 def pinned_distributions() -> list[str]:
-    """The `name==version` lines of constraints.txt (every one is installed by the install)."""
-    lines = [line.split("#")[0].strip() for line in CONSTRAINTS.read_text().splitlines()]
-    return [line for line in lines if "==" in line]
+    """The `name==version` lines of constraints.txt (every one is installed by the install),
+    read by the project's one constraints parser (rankrun.project: standard library only)."""
+    from rankrun.project import pins
+
+    return [f"{name}=={version}" for name, version in pins(CONSTRAINTS).items()]
 
 
 def project_declaration() -> dict:

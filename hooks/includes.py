@@ -7,13 +7,11 @@ stops at the first broken include with: the page, the include as written, and wh
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
 
-# The block form the pages use: a line holding only  --8<-- "path" or "path:section".
-INCLUDE = re.compile(r'^[ \t]*-{1,}8<-{1,}[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+from rankrun.pages import include_specs  # the includes as pymdownx.snippets reads them
 
 
 def broken_include(target: str, root: Path) -> str | None:
@@ -35,9 +33,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if not page.file.src_uri.endswith(".md"):
         return markdown
     root = Path(config.config_file_path).parent
-    for number, line in enumerate(markdown.splitlines(), 1):
-        for target in INCLUDE.findall(line):
-            problem = broken_include(target, root)
-            if problem:
-                raise PluginError(f'docs/{page.file.src_uri}:{number}: --8<-- "{target}": {problem}')
+    for index, target in include_specs(markdown.splitlines()):
+        problem = broken_include(target, root)
+        if problem:
+            raise PluginError(f'docs/{page.file.src_uri}:{index + 1}: --8<-- "{target}": {problem}')
     return markdown

@@ -1,4 +1,6 @@
-"""Where the examples are: snippet files, their output files, their documented commands."""
+"""Where the examples are and how the pages include them: snippet files, their output files,
+their documented commands, and the pages read the way the build reads them (pymdownx.snippets'
+own preprocessor resolves every `--8<--`; hooks, tests and the matrix share this one reader)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,13 @@ from pathlib import Path
 from rankrun.project import DOCS, ROOT, SNIPPETS, TORCHRUN
 
 
-INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')
-
-
 def includes():
-    """(page, file, section or None) for every snippet include in docs/."""
+    """(page, file, section or None) for every snippet include in docs/ (Markdown pages and
+    the Markdown cells of the jupytext notebooks)."""
     found = []
-    for page in sorted(DOCS.rglob("*.md")):
-        for target in INCLUDE.findall(page.read_text()):
-            path, _, section = target.partition(":")
+    for page in doc_pages():
+        for _, spec in include_specs(page_lines(page)):
+            path, _, section = spec.partition(":")
             found.append((page.relative_to(ROOT), path, section or None))
     return found
 
@@ -97,6 +97,125 @@ def rendered(text: str) -> str:
     return markdown_converter().convert(text)
 
 
+def snippet_preprocessor():
+    """pymdownx.snippets' own preprocessor, configured as mkdocs.yml configures it (the base
+    paths made absolute: MkDocs builds from the directory of mkdocs.yml)."""
+    import markdown
+
+    _, settings = markdown_settings()
+    md = markdown.Markdown(extensions=["pymdownx.snippets"],
+                           extension_configs={"pymdownx.snippets": settings["pymdownx.snippets"]})
+    preprocessor = md.preprocessors["snippet"]
+    preprocessor.seen, preprocessor.bases, preprocessor.failed = set(), None, set()
+    return preprocessor
+
+
+def include_specs(lines: list[str], preprocessor=None) -> list[tuple[int, str]]:
+    """(line index, target as written: `path` or `path:section`) of every include on a page,
+    in the inline form (`--8<-- "path"`) and the block form (paths between two `--8<--`
+    lines), recognised by pymdownx.snippets' own patterns; escaped notation is skipped."""
+    pre = preprocessor or snippet_preprocessor()
+    found, block = [], False
+    for index, line in enumerate(lines):
+        match = pre.RE_ALL_SNIPPETS.match(line)
+        if match and match.group("escape"):
+            continue
+        if match and not match.group("inline_marker"):
+            block = not block
+            continue
+        if match:
+            spec = match.group("snippet")[1:-1].strip()
+        elif block:
+            spec = line.strip()
+        else:
+            continue
+        if spec and not spec.startswith(";"):
+            found.append((index, spec))
+    return found
+
+
+def snippet_notation(lines: list[str]) -> list[bool]:
+    """For each line: is it snippet notation (an include line, a block marker, a path in a block)?"""
+    return snippet_preprocessor().get_syntax_mask(lines)
+
+
+def unescaped(lines: list[str]) -> list[str]:
+    """The lines as the page shows them: pymdownx.snippets removes the `;` that escapes snippet
+    notation (`;--8<-- "…"`, `# ;--8<-- [start:name]`)."""
+    pre = snippet_preprocessor()
+    shown = []
+    for line in lines:
+        match = pre.RE_ALL_SNIPPETS.match(line)
+        section = pre.match_section(line)
+        if match and match.group("escape"):
+            line = line.replace(";", "", 1)
+        elif section and section.group("escape"):
+            line = (section.group("pre") + section.group("escape").replace(";", "", 1)
+                    + section.group("inline_marker") + section.group("section") + section.group("post"))
+        shown.append(line)
+    return shown
+
+
+def included_files(lines: list[str]) -> list[tuple[str, Path, str]]:
+    """(target as written, resolved file, included text) for every include on a page."""
+    pre = snippet_preprocessor()
+    found = []
+    for _, spec in include_specs(lines, pre):
+        target = pre.parse_snippet_target(spec)
+        path = pre.get_snippet_path(target["path"]) if target else None
+        if path is None:
+            continue  # tests/test_inventory.py and the strict build report a missing file
+        selected = pre.select_snippet_lines(pre.read_lines(path), target)
+        expanded_lines = pre.parse_snippets(selected, path, is_section=target["section"] is not None)
+        found.append((spec, Path(path), "\n".join(expanded_lines)))
+    return found
+
+
+def page_outputs(lines: list[str]) -> list[tuple[str, str]]:
+    """(target, text) of every output file a page includes: every included file that is not a .py example."""
+    return [(spec, text) for spec, path, text in included_files(lines) if path.suffix != ".py"]
+
+
+def page_code(lines: list[str]) -> list[tuple[str, str]]:
+    """(target, text) of every example (.py) a page includes: what its code spans may quote."""
+    return [(spec, text) for spec, path, text in included_files(lines) if path.suffix == ".py"]
+
+
+def doc_pages() -> list[Path]:
+    """Every page source: docs/**/*.md and the jupytext notebooks docs/**/*.py (not assets)."""
+    found = sorted(DOCS.rglob("*.md")) + sorted(DOCS.rglob("*.py"))
+    return [page for page in found if "assets" not in page.relative_to(DOCS).parts]
+
+
+def page_name(page: Path) -> str:
+    """A page's path relative to docs/."""
+    return str(page.relative_to(DOCS))
+
+
+def page_lines(page: Path) -> list[str]:
+    """The page's Markdown lines; for a jupytext notebook, its Markdown cells (other lines blanked)."""
+    lines = page.read_text().split("\n")
+    if page.suffix != ".py":
+        return lines
+    markdown_lines, in_markdown = [], False
+    for line in lines:
+        if line.startswith("# %%"):
+            in_markdown = "[markdown]" in line
+            markdown_lines.append("")
+        elif in_markdown and (line == "#" or line.startswith("# ")):
+            markdown_lines.append(line[2:])
+        else:
+            markdown_lines.append("")
+    return markdown_lines
+
+
+def normalise(text: str) -> str:
+    """Every run of whitespace as one space."""
+    return " ".join(text.split())
+
+
+# A line that opens or closes a fenced block (its fence and the rest of the line).
+FENCE_LINE = re.compile(r"^\s*(`{3,}|~{3,})(.*)$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$",
                    re.MULTILINE | re.DOTALL)
 

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from rankrun import changed, run_cache
-from rankrun.pages import pages_including
+from rankrun.pages import include_specs, pages_including
 from rankrun.runner import ROOT, RunResult, close_zygotes
 
 
@@ -152,7 +152,6 @@ def output_mismatch(name: str, output_file: Path, expected: str, actual: str) ->
 FAILING_BLOCK_LABEL = "then the exception the ranks raised"
 # A line the runner adds to a transcript (RunResult.errors): `Type: message`, or how a rank ended.
 RUNNER_LINE = re.compile(r"^(?:(\w+(?:Error|Exception|Interrupt)): |rank \d+ (?:exited with code|killed by signal) )", re.M)
-INCLUDE = re.compile(r'--8<--\s+"([^"]+)"')
 
 
 def documented_failure(output_file: Path) -> str | None:
@@ -162,8 +161,8 @@ def documented_failure(output_file: Path) -> str | None:
     shown = str(output_file.relative_to(ROOT))
     for page in pages_including(output_file):
         lines = (ROOT / page).read_text().splitlines()
-        for index, line in enumerate(lines):
-            if shown not in INCLUDE.findall(line):
+        for index, spec in include_specs(lines):
+            if spec != shown:
                 continue
             before = index - 1
             while before >= 0 and (not lines[before].strip() or lines[before].lstrip().startswith(("```", "~~~"))):

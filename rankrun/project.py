@@ -31,6 +31,15 @@ CONSTRAINTS = ROOT / "constraints.txt"
 #   DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py
 TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
 
+# An object's memory address in a message ("<function f at 0x7f63...>"): it changes from run
+# to run and from rank to rank, so a rank's cause, an output file and the version matrix's
+# data show it as "0x…".
+MEMORY_ADDRESS = re.compile(r"(?<= at )0x[0-9a-f]+(?=>)")
+
+
+def without_addresses(text: str) -> str:
+    return MEMORY_ADDRESS.sub("0x…", text)
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""

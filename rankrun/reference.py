@@ -2,9 +2,11 @@
 trained in this one process without DeepSpeed."""
 
 import math
+import runpy
 
 import torch
 
+from rankrun.project import ROOT
 from rankrun.tolerance import assert_matches
 
 
@@ -103,3 +105,44 @@ def train_causal_lm_in_one_process(model, initial, batches, lr):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, grads
+
+
+def train_tied_pipeline_in_one_process(fresh_optimizer_after=None):
+    """snippets/pipeline/deepspeed_tied_checkpoint.py's model in one process: one embedding as input layer and head, layer i built
+    after torch.manual_seed(SEED + i) as seed_layers=True does, Adam with the snippet's LR,
+    each step the mean over its micro-batches. With `fresh_optimizer_after=n`, Adam starts
+    anew after n steps (what loading without the optimizer state does)."""
+    ex = runpy.run_path(str(ROOT / "snippets/pipeline/deepspeed_tied_checkpoint.py"), run_name="reference")
+    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
+        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
+    params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
+    optimizer = torch.optim.Adam(params, lr=ex["LR"])
+    losses = []
+    for step in range(ex["STEPS"]):
+        if step == fresh_optimizer_after:
+            optimizer = torch.optim.Adam(params, lr=ex["LR"])
+        losses.append(backward_over_micro_batches(ex["micro_batches"](step), lambda tokens, targets: ex["cross_entropy"](
+            ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens)))), targets)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, embedding.weight.detach().clone()
+
+
+def train_checkpoint_example_in_one_process(ex, name):
+    """snippets/zero3/zero3_checkpoint.py's model `name`, batches and SGD in one process (`ex`:
+    the snippet's namespace): the losses of all STEPS steps and
+    the weights after SAVED_AFTER and after SAVED_AFTER + 1 steps (names as state_dict has them)."""
+    torch.manual_seed(ex["SEED"])
+    model = ex["MODELS"][name]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
+    losses, weights = [], {}
+    for step in range(ex["STEPS"]):
+        if step in (ex["SAVED_AFTER"], ex["SAVED_AFTER"] + 1):
+            weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        inputs, targets = ex["make_batch"](step)
+        loss = ex["loss_of"](model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, weights

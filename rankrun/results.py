@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rankrun.pages import pages_including
-from rankrun.project import ROOT
+from rankrun.project import ROOT, without_addresses
 
 # Lines DeepSpeed itself writes to stdout (its logger and its op loader). They
 # are not the example's output, so pages and output files leave them out.
@@ -23,9 +23,6 @@ DEEPSPEED_NOISE = re.compile(
 STACK_DUMP = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
 HARNESS_FRAME = re.compile(r'^  File "(<frozen runpy>|' + re.escape(str(Path(__file__).resolve().parent)) + r'/rank_main\.py)"')
 
-# An object's memory address in a message ("<function f at 0x7f63...>"): it changes from run
-# to run and from rank to rank, so a rank's cause (and an output file) shows it as "0x…".
-MEMORY_ADDRESS = re.compile(r"(?<= at )0x[0-9a-f]+(?=>)")
 
 # How gloo fails on a rank whose peer died first: a consequence, not a cause.
 PEER_WENT_AWAY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
@@ -78,7 +75,7 @@ class RankResult:
 
     def cause(self) -> str:
         if self.exception:
-            return f"{self.exception['name']}: {MEMORY_ADDRESS.sub('0x…', self.exception['message'])}"
+            return f"{self.exception['name']}: {without_addresses(self.exception['message'])}"
         if self.killed_by_runner:
             return "killed by the runner (still running after the run ended)"
         if self.left_running:

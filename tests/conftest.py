@@ -46,6 +46,6 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """Start the strict site build now if a selected test reads it (see start_strict_build)."""
     if os.environ.get("SITE_BUILD_DIR") and any(reads_the_site_build(item) for item in session.items):
-        from test_site import start_strict_build
+        from rankrun.site_build import start_strict_build
 
         start_strict_build()

@@ -178,3 +178,32 @@ def test_pages_and_code_cite_issues_by_their_public_names():
     assert found == []
     assert INTERNAL_NAME.search(f"as seed {'002'} showed") and not INTERNAL_NAME.search("torch.manual_seed(0)")
     assert INTERNAL_NAME.search(f"# Issue {17}, item 5: why") and not INTERNAL_NAME.search("DeepSpeed issue #1047")
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The test modules (`test_*`, `conftest`) a module imports: a test module holds tests, and
+    shared code lives in rankrun (a test module imported by another works only because pytest
+    puts its folder on sys.path, and runs its tests' module-level code twice)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # a harness test's deliberately broken example, not code
+        return []
+    found = []
+    for node in ast.walk(tree):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found += [name for name in names if name.split(".")[-1].startswith(("test_", "conftest"))
+                  or name.startswith("tests")]
+    return found
+
+
+def test_no_test_module_imports_another():
+    modules = sorted(path for folder in ("tests", "rankrun", "benchmarks", "hooks", "versions")
+                     for path in (ROOT / folder).rglob("*.py") if "__pycache__" not in path.parts)
+    found = {str(path.relative_to(ROOT)): imported_test_modules(path.read_text()) for path in modules}
+    assert {path: names for path, names in found.items() if names} == {}
+    assert imported_test_modules("from test_site import strict_build\nimport os") == ["test_site"]
+    assert imported_test_modules("from tests.site.conftest import x") == ["tests.site.conftest"]
+    assert imported_test_modules("from rankrun.site_build import strict_build") == []

@@ -17,7 +17,9 @@ import pytest
 
 from rankrun.pages import output_file
 from rankrun.runner import DEEPSPEED_NOISE, check_torchrun, printed_by_the_example, run_torchrun
-from test_prose_literals import FENCE, included_files, normalise, page_lines, page_name, page_outputs, pages, snippet_notation
+from rankrun.pages import FENCE_LINE as FENCE
+from rankrun.pages import doc_pages as pages
+from rankrun.pages import included_files, normalise, page_lines, page_name, page_outputs, snippet_notation
 
 # The runner's transcript (rankrun/runner.py RunResult.transcript) is what an output file holds:
 # each rank's stdout, rank after rank (torchrun interleaves them), without DeepSpeed's log

@@ -54,20 +54,22 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import markdown
 import pytest
-from mkdocs.utils.yaml import yaml_load
 
-from rankrun.runner import ROOT
+from rankrun.pages import FENCE_LINE as FENCE
+from rankrun.pages import doc_pages as pages
+from rankrun.pages import (normalise, page_code, page_lines, page_name, page_outputs,
+                           snippet_notation, snippet_preprocessor, unescaped)
+from rankrun.project import ROOT, TORCHRUN
 
-DOCS = ROOT / "docs"
+# A whole torchrun command (the regex in rankrun.project captures its rank count and path).
+TORCHRUN_COMMAND = re.compile(TORCHRUN.pattern.replace("(", "(?:"))
+
 ALLOWLIST = ROOT / "tests" / "prose_literals_allowlist.tsv"
 ALLOWLIST_NAME = "tests/prose_literals_allowlist.tsv"
 
 NUMBER = re.compile(r"(?<![\w])\d")
 EXCEPTION = re.compile(r"\b\w+(?:Error|Exception|Warning)\b")
-TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =]\d+ snippets/[\w./-]+\.py")
-FENCE = re.compile(r"^\s*(`{3,}|~{3,})(.*)$")
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
 # Link targets `](…)`, autolinks `<http…>`, bare URLs, HTML comments: not prose.
 NOT_PROSE = re.compile(r"\]\([^)]*\)|<https?://[^>]*>|https?://\S+|<!--.*?-->", re.DOTALL)
@@ -86,120 +88,12 @@ class Literal:
         return f"docs/{self.page}:{self.line}"
 
 
-def normalise(text: str) -> str:
-    return " ".join(text.split())
-
-
 def holds_a_number_or_exception(text: str) -> bool:
-    text = TORCHRUN.sub(" ", text)
+    text = TORCHRUN_COMMAND.sub(" ", text)
     return bool(NUMBER.search(text) or EXCEPTION.search(text))
 
 
-# ---------------------------------------------------------------- includes, as pymdownx does them
-
-
-def snippet_preprocessor():
-    """pymdownx.snippets' own preprocessor, configured as mkdocs.yml configures it."""
-    config = yaml_load((ROOT / "mkdocs.yml").read_text())
-    [options] = [
-        entry["pymdownx.snippets"] for entry in config["markdown_extensions"]
-        if isinstance(entry, dict) and "pymdownx.snippets" in entry
-    ]
-    options = dict(options or {})
-    bases = options.get("base_path", ["."])
-    bases = [bases] if isinstance(bases, str) else bases
-    # mkdocs builds from the directory of mkdocs.yml; make that independent of the cwd.
-    options["base_path"] = [str((ROOT / base).resolve()) for base in bases]
-    md = markdown.Markdown(extensions=["pymdownx.snippets"], extension_configs={"pymdownx.snippets": options})
-    preprocessor = md.preprocessors["snippet"]
-    preprocessor.seen, preprocessor.bases, preprocessor.failed = set(), None, set()
-    return preprocessor
-
-
-def snippet_notation(lines: list[str]) -> list[bool]:
-    """For each line: is it snippet notation (an include line, a block marker, a path in a block)?"""
-    return snippet_preprocessor().get_syntax_mask(lines)
-
-
-def unescaped(lines: list[str]) -> list[str]:
-    """The lines as the page shows them: pymdownx.snippets removes the `;` that escapes snippet
-    notation (`;--8<-- "…"`, `# ;--8<-- [start:name]`)."""
-    pre = snippet_preprocessor()
-    shown = []
-    for line in lines:
-        match = pre.RE_ALL_SNIPPETS.match(line)
-        section = pre.match_section(line)
-        if match and match.group("escape"):
-            line = line.replace(";", "", 1)
-        elif section and section.group("escape"):
-            line = (section.group("pre") + section.group("escape").replace(";", "", 1)
-                    + section.group("inline_marker") + section.group("section") + section.group("post"))
-        shown.append(line)
-    return shown
-
-
-def included_files(lines: list[str]) -> list[tuple[str, Path, str]]:
-    """(target as written, resolved file, included text) for every include on a page."""
-    pre = snippet_preprocessor()
-    found, block = [], False
-    for line in lines:
-        match = pre.RE_ALL_SNIPPETS.match(line)
-        if match and match.group("escape"):
-            continue
-        if match and not match.group("inline_marker"):
-            block = not block
-            continue
-        if match:
-            spec = match.group("snippet")[1:-1].strip()
-        elif block:
-            spec = line.strip()
-        else:
-            continue
-        if not spec or spec.startswith(";"):
-            continue
-        target = pre.parse_snippet_target(spec)
-        path = pre.get_snippet_path(target["path"]) if target else None
-        if path is None:
-            continue  # tests/test_inventory.py and the strict build report a missing file
-        selected = pre.select_snippet_lines(pre.read_lines(path), target)
-        expanded = pre.parse_snippets(selected, path, is_section=target["section"] is not None)
-        found.append((spec, Path(path), "\n".join(expanded)))
-    return found
-
-
-def page_outputs(lines: list[str]) -> list[tuple[str, str]]:
-    """(target, text) of every output file a page includes: every included file that is not a .py example."""
-    return [(spec, text) for spec, path, text in included_files(lines) if path.suffix != ".py"]
-
-
-def page_code(lines: list[str]) -> list[tuple[str, str]]:
-    """(target, text) of every example (.py) a page includes: what its code spans may quote."""
-    return [(spec, text) for spec, path, text in included_files(lines) if path.suffix == ".py"]
-
-
 # ---------------------------------------------------------------- pages and their literals
-
-
-def pages() -> list[Path]:
-    found = sorted(DOCS.rglob("*.md")) + sorted(DOCS.rglob("*.py"))
-    return [page for page in found if "assets" not in page.relative_to(DOCS).parts]
-
-
-def page_lines(page: Path) -> list[str]:
-    """The page's Markdown lines; for a jupytext notebook, its Markdown cells (other lines blanked)."""
-    lines = page.read_text().split("\n")
-    if page.suffix != ".py":
-        return lines
-    markdown_lines, in_markdown = [], False
-    for line in lines:
-        if line.startswith("# %%"):
-            in_markdown = "[markdown]" in line
-            markdown_lines.append("")
-        elif in_markdown and (line == "#" or line.startswith("# ")):
-            markdown_lines.append(line[2:])
-        else:
-            markdown_lines.append("")
-    return markdown_lines
 
 
 def literals(page_name: str, lines: list[str]) -> list[Literal]:
@@ -359,10 +253,6 @@ def explain(literal: Literal, outputs: list[tuple[str, str]]) -> str:
         f"output (a config key, an API argument, a version, a command), add the line "
         f"'{literal.page}<TAB>{literal.text}<TAB><reason>' to {ALLOWLIST_NAME}."
     )
-
-
-def page_name(page: Path) -> str:
-    return str(page.relative_to(DOCS))
 
 
 @pytest.mark.parametrize("page", pages(), ids=page_name)

@@ -36,7 +36,7 @@ import tomllib
 import venv
 from pathlib import Path
 
-from rankrun.project import free_port, pins
+from rankrun.project import TORCHRUN, free_port, pins, without_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "versions" / "releases.toml"
@@ -57,7 +57,6 @@ DEEPSPEED_NOISE = re.compile(
     r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] "
     r"|DeepSpeed \S+ built successfully$)"
 )
-TORCHRUN = re.compile(r"torchrun --nproc_per_node[ =](\d+) (snippets/[\w./-]+\.py)")
 ABORT_AT_EXIT = "terminate called without an active exception"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
@@ -312,7 +311,7 @@ def last_exception(stderr: str) -> str | None:
         return None
     for line in lines[starts[-1] + 1:]:
         if line and not line[0].isspace():
-            return line.rstrip()
+            return without_addresses(line.rstrip())
     return None
 
 

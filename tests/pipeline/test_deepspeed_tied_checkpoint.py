@@ -3,43 +3,18 @@ on 2 ranks: the tied weight is saved once; a fresh engine with the same split re
 as the uninterrupted run (both equal to one process with Adam); another split loads the
 weights but refuses the optimizer state, and without it training is that of a fresh Adam."""
 
-import runpy
-
-import torch
-
 from rankrun.pages import output_file
-from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import train_tied_pipeline_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/pipeline/deepspeed_tied_checkpoint.py"
 
 
-def train_in_one_process(fresh_optimizer_after=None):
-    """The snippet's model in one process: one embedding as input layer and head, layer i built
-    after torch.manual_seed(SEED + i) as seed_layers=True does, Adam with the snippet's LR,
-    each step the mean over its micro-batches. With `fresh_optimizer_after=n`, Adam starts
-    anew after n steps (what loading without the optimizer state does)."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
-    embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
-        0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
-    params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
-    optimizer = torch.optim.Adam(params, lr=ex["LR"])
-    losses = []
-    for step in range(ex["STEPS"]):
-        if step == fresh_optimizer_after:
-            optimizer = torch.optim.Adam(params, lr=ex["LR"])
-        losses.append(backward_over_micro_batches(ex["micro_batches"](step), lambda tokens, targets: ex["cross_entropy"](
-            ex["logits_from_embedding"](embedding, mixer2(mixer1(embedding(tokens)))), targets)))
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses, embedding.weight.detach().clone()
-
-
 def test_checkpoint_save_load_and_resplit(expect_output):
     result = run_snippet(SNIPPET, 2, call="main", timeout=300).check()
-    ref_losses, ref_weight = train_in_one_process()
-    fresh_adam_losses, _ = train_in_one_process(fresh_optimizer_after=2)
+    ref_losses, ref_weight = train_tied_pipeline_in_one_process()
+    fresh_adam_losses, _ = train_tied_pipeline_in_one_process(fresh_optimizer_after=2)
     for rank in range(2):
         got = result.returned(rank)
         # Uninterrupted, the pipeline trains as one process does.

@@ -10,10 +10,10 @@ import sys
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import train_tied_pipeline_in_one_process
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
-from test_deepspeed_tied_checkpoint import train_in_one_process
 
 SNIPPET = "snippets/pipeline/pipeline_to_plain.py"
 FOLDER = ROOT / "snippets" / "pipeline"
@@ -29,7 +29,7 @@ def example():
 
 def test_pipeline_checkpoint_to_one_plain_model(expect_output):
     ex = example()
-    reference, _ = train_in_one_process()  # the losses of the checkpoint test's reference
+    reference, _ = train_tied_pipeline_in_one_process()  # the losses of the checkpoint test's reference
     result = run_snippet(SNIPPET, 2, call="main", timeout=300).check()
     got = result.returned(0)
     state_dict = got["state_dict"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_site import strict_build
+from rankrun.site_build import strict_build
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from test_site import built_pages
+from rankrun.site_build import built_pages
 
 # Attributes that make a browser fetch something, per tag.
 FETCHED = {

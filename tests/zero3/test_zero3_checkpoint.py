@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import train_checkpoint_example_in_one_process
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
@@ -24,29 +25,10 @@ def example():
     return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
 
 
-def train_in_one_process(ex, name):
-    """The snippet's model, batches and SGD in one process: the losses of all STEPS steps and
-    the weights after SAVED_AFTER and after SAVED_AFTER + 1 steps (names as state_dict has them)."""
-    torch.manual_seed(ex["SEED"])
-    model = ex["MODELS"][name]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
-    losses, weights = [], {}
-    for step in range(ex["STEPS"]):
-        if step in (ex["SAVED_AFTER"], ex["SAVED_AFTER"] + 1):
-            weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        inputs, targets = ex["make_batch"](step)
-        loss = ex["loss_of"](model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, weights
-
-
 @pytest.fixture(scope="module")
 def reference():
     ex = example()
-    return ex, {name: train_in_one_process(ex, name) for name in ex["MODELS"]}
+    return ex, {name: train_checkpoint_example_in_one_process(ex, name) for name in ex["MODELS"]}
 
 
 def reload_in_this_process(ex, name, state_dict):

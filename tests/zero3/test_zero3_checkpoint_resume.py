@@ -3,16 +3,19 @@ ranks, resumed on 4. load_checkpoint refuses another data-parallel size; ds_to_u
 on a checkpoint of plain SGD (no Adam moments); the consolidated fp32 weights loaded before
 deepspeed.initialize resume exactly: the losses of the uninterrupted run and of one process."""
 
+import runpy
+
 import pytest
 
 from rankrun.pages import output_file
-from rankrun.runner import run_snippet
+from rankrun.reference import train_checkpoint_example_in_one_process
+from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
-
-from test_zero3_checkpoint import TIMEOUT, example, train_in_one_process
 
 SAVING = "snippets/zero3/zero3_checkpoint.py"
 SNIPPET = "snippets/zero3/zero3_checkpoint_resume.py"
+# The saving run: the same arguments as its own test's, so it is one run.
+TIMEOUT = 600
 REFUSED = ("ZeRORuntimeException: The checkpoint being loaded used a DP world size of 2 but the "
            "current world size is 4. Automatic adjustment of ZeRO's optimizer state partitioning "
            "with a new world size is not currently supported.")
@@ -23,8 +26,8 @@ def uninterrupted():
     """The 2-rank run that writes the checkpoint (the same run as its own test's), and the
     one-process reference."""
     saved = run_snippet(SAVING, 2, call="main", timeout=TIMEOUT).check()
-    ex = example()
-    return ex, saved.returned(0)["tied"]["losses"], train_in_one_process(ex, "tied")[0]
+    ex = runpy.run_path(str(ROOT / SAVING), run_name="reference")
+    return ex, saved.returned(0)["tied"]["losses"], train_checkpoint_example_in_one_process(ex, "tied")[0]
 
 
 def test_resume_on_four_ranks(uninterrupted, expect_output):
