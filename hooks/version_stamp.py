@@ -9,12 +9,10 @@
   versions" page, which includes the matrix's generated summary, names every release that ran.
 """
 
-import re
 from importlib.metadata import PackageNotFoundError, version
 
+from rankrun.pages import include_specs  # the includes as pymdownx.snippets reads them
 from versions import matrix  # versions/matrix.py: standard library only
-
-INCLUDE = re.compile(r"""--8<--\s+["']([^"':]+)""")
 
 
 def installed(package: str) -> str:
@@ -36,7 +34,7 @@ def releases_checked(markdown: str, data: dict, config: dict) -> list[str]:
     """The releases other than the installed one that ran every matrix example this page
     includes (an example planned on fewer releases narrows the list: the stamp never names a
     release that one of them did not run on); the versions page: every release that ran."""
-    included = set(INCLUDE.findall(markdown))
+    included = {spec.split(":", 1)[0] for _, spec in include_specs(markdown.splitlines())}
     ran = None
     if any(path.startswith("snippets/versions/") for path in included):
         ran = set()
