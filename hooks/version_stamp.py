@@ -4,17 +4,15 @@
   one the tests run the examples in, so this part of the stamp cannot drift from what was
   verified.
 - The other DeepSpeed releases the page's examples were run on, from the version matrix's
-  data (versions/matrix.json, written by `python3 tasks.py matrix`): a page that includes a
-  snippet of the matrix names every release that snippet ran on; the "DeepSpeed versions"
-  page, which includes the matrix's generated summary, names every release that ran.
+  data (versions/matrix.json, written by `python3 tasks.py matrix`): a page that includes
+  snippets of the matrix names the releases that every one of them ran on; the "DeepSpeed
+  versions" page, which includes the matrix's generated summary, names every release that ran.
 """
 
-import re
 from importlib.metadata import PackageNotFoundError, version
 
+from rankrun.pages import include_specs  # the includes as pymdownx.snippets reads them
 from versions import matrix  # versions/matrix.py: standard library only
-
-INCLUDE = re.compile(r"""--8<--\s+["']([^"':]+)""")
 
 
 def installed(package: str) -> str:
@@ -33,15 +31,21 @@ def on_config(config):
 
 
 def releases_checked(markdown: str, data: dict, config: dict) -> list[str]:
-    """The releases other than the installed one that ran the examples this page includes."""
-    included = set(INCLUDE.findall(markdown))
-    ran = set()
-    for command in matrix.commands(config):
-        if matrix.example_name(command) in included:
-            ran.update(matrix.ran_releases(data, command))
+    """The releases other than the installed one that ran every matrix example this page
+    includes (an example planned on fewer releases narrows the list: the stamp never names a
+    release that one of them did not run on); the versions page: every release that ran."""
+    included = {spec.split(":", 1)[0] for _, spec in include_specs(markdown.splitlines())}
+    ran = None
     if any(path.startswith("snippets/versions/") for path in included):
+        ran = set()
         for command in matrix.commands(config):
             ran.update(matrix.ran_releases(data, command))
+    else:
+        for command in matrix.commands(config):
+            if matrix.example_name(command) in included:
+                here = set(matrix.ran_releases(data, command))
+                ran = here if ran is None else ran & here
+    ran = set(ran or ())
     ran.discard(installed("deepspeed"))
     return sorted(ran, key=matrix.release_key)
 

@@ -31,15 +31,18 @@ def test_the_releases_list_covers_the_releases_the_pages_discuss():
 
 
 def test_every_release_that_ran_has_every_documented_command():
-    """The pinned release and every release whose import worked have a result for every
-    documented command; a listed release without results is shown as "not run yet"."""
+    """The pinned release has a result for every documented command, and every release whose
+    import worked for every command planned on it; a listed release without results is shown
+    as "not run yet"."""
     commands = matrix.commands(CONFIG)
     assert len(commands) >= 6
     assert DATA["releases"][PINNED]["probe"]["ok"]
+    assert matrix.commands_for(PINNED, CONFIG) == commands
     for release, row in DATA["releases"].items():
         assert release in matrix.releases(CONFIG), f"{release} is in the data but not in versions/releases.toml"
         if row["probe"]["ok"]:
-            assert sorted(row["examples"]) == sorted(commands), f"{release}: run python3 tasks.py matrix"
+            planned = matrix.commands_for(release, CONFIG)
+            assert sorted(row["examples"]) == sorted(planned), f"{release}: run python3 tasks.py matrix"
             assert row["env"] == {k: str(v) for k, v in CONFIG["releases"][release].get("env", {}).items()}
     table = (matrix.GENERATED / "versions.md").read_text()
     for release in matrix.releases(CONFIG):
@@ -172,6 +175,12 @@ def test_each_page_names_the_releases_its_examples_ran_on():
     expected = [v for v in matrix.ran_releases(DATA, "torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py")
                 if v != PINNED]
     assert hook.releases_checked(page, DATA, CONFIG) == expected and expected
+    # Two examples on one page: only the releases both ran on.
+    both = ('--8<-- "snippets/zero3/automatic_detection.py"\n'
+            '--8<-- "snippets/zero3/zero3_checkpoint.py"\n')
+    common = (set(expected) & set(matrix.ran_releases(DATA, "torchrun --nproc_per_node 2 snippets/zero3/zero3_checkpoint.py")))
+    assert hook.releases_checked(both, DATA, CONFIG) == sorted(common, key=matrix.release_key)
+    assert len(common) < len(expected)
     assert hook.releases_checked("no examples here", DATA, CONFIG) == []
     every = set()
     for command in matrix.commands(CONFIG):
@@ -308,3 +317,18 @@ def test_every_page_showing_an_example_that_differs_between_releases_includes_it
         assert showing, f"no page shows {path}"
         missing += [f"{page} shows {path} but not {note}" for page in sorted(showing - set(pages_including(note)))]
     assert not missing, "\n".join(missing)
+
+
+def test_an_example_planned_on_some_releases_runs_there_and_on_the_pinned_one_only():
+    config = {**CONFIG, "examples": ["snippets/zero3/module_z3.py",
+                                     {"path": "snippets/zero3/zero3_checkpoint.py", "releases": ["0.14.5"]}]}
+    subset = "torchrun --nproc_per_node 2 snippets/zero3/zero3_checkpoint.py"
+    assert matrix.planned_releases(subset, config) == ["0.14.5", PINNED]
+    assert matrix.planned_releases("torchrun --nproc_per_node 2 snippets/zero3/module_z3.py", config) \
+        == matrix.releases(CONFIG)
+    assert subset in matrix.commands_for("0.14.5", config)
+    assert subset not in matrix.commands_for("0.16.4", config)
+    wrong = {**CONFIG, "examples": [{"path": "snippets/zero3/zero3_checkpoint.py", "releases": ["0.99.0"]}]}
+    with pytest.raises(SystemExit, match=r"^versions/releases.toml: snippets/zero3/zero3_checkpoint.py "
+                                         r"names releases it does not list: 0.99.0$"):
+        matrix.example_entries(wrong)

@@ -76,15 +76,45 @@ def releases(config: dict | None = None) -> list[str]:
     return sorted(config["releases"], key=release_key)
 
 
-def example_files(config: dict | None = None) -> list[str]:
+def example_entries(config: dict | None = None) -> list[tuple[str, list[str] | None]]:
+    """(path, releases) for every example: `releases` is None for an example run on every
+    release, else the releases it is planned on besides the pinned one (an entry written as
+    `{ path = "...", releases = [...] }`)."""
     config = config or load_releases()
-    files = []
-    for pattern in config["examples"]:
-        matched = sorted(glob.glob(pattern, root_dir=ROOT))
-        for path in matched:
-            if path not in files:
-                files.append(path)
-    return files
+    entries, seen = [], set()
+    for item in config["examples"]:
+        pattern, only = (item, None) if isinstance(item, str) else (item["path"], list(item["releases"]))
+        unknown = [v for v in only or [] if v not in config["releases"]]
+        if unknown:
+            raise SystemExit(f"versions/releases.toml: {pattern} names releases it does not list: "
+                             f"{', '.join(unknown)}")
+        for path in sorted(glob.glob(pattern, root_dir=ROOT)):
+            if path not in seen:
+                seen.add(path)
+                entries.append((path, only))
+    return entries
+
+
+def example_files(config: dict | None = None) -> list[str]:
+    return [path for path, _ in example_entries(config)]
+
+
+def planned_releases(command: str, config: dict | None = None) -> list[str]:
+    """The releases a command is planned on: every release, or the pinned one and those listed."""
+    config = config or load_releases()
+    for path, only in example_entries(config):
+        if path == example_name(command):
+            if only is None:
+                return releases(config)
+            wanted = set(only) | {config["pinned"]}
+            return [v for v in releases(config) if v in wanted]
+    raise KeyError(command)
+
+
+def commands_for(version: str, config: dict | None = None) -> list[str]:
+    """The commands planned on one release."""
+    config = config or load_releases()
+    return [command for command in commands(config) if version in planned_releases(command, config)]
 
 
 def documented_commands(path: str) -> list[tuple[int, str]]:
@@ -427,7 +457,7 @@ def run_release(version: str, config: dict, repeat: int, only: list[str] | None 
         return {"row": row, "timings": timings}
     row["probe"].pop("versions", None)
     row["examples"] = {}
-    for key in commands(config):
+    for key in commands_for(version, config):
         if only and not any(part in key for part in only):
             continue
         _, _, ranks, path = key.split(" ", 3)
@@ -574,13 +604,26 @@ def render_versions_page(data: dict, config: dict) -> str:
         out.append(f"| {version}{marker} | yes | {needs or 'nothing'} | "
                    f"{'; '.join(aborts) or f'no (in {runs} runs)'} |")
     out.append("")
+    running = [v for v in all_versions if data["releases"].get(v, {}).get("probe", {}).get("ok")]
+    partial: dict[tuple[str, ...], list[str]] = {}
+    for command in commands(config):
+        ran = ran_releases(data, command)
+        if ran != running:
+            names = partial.setdefault(tuple(ran), [])
+            if example_name(command) not in names:
+                names.append(example_name(command))
+    for ran, names in partial.items():
+        where = " and ".join(ran) if len(ran) <= 2 else ", ".join(ran)
+        out.append(f"Run on {where} only (not run on the other releases): "
+                   f"{', '.join(code(name.rsplit('/', 1)[1]) for name in names)}.")
+        out.append("")
     by_command = grouped(data, config)
     if not any(groups for groups in by_command.values()):
         out.append(f"Every release that runs prints the same as {pinned} in every example of the matrix.")
         return "\n".join(out) + "\n"
     out.append(f"What differs from {pinned}: one line per change, with the releases it holds for "
                f"(and when it changed, where both sides ran), the example, and what its run printed "
-               f"or raised there. An example not listed printed the same on every release that runs; "
+               f"or raised there. An example not listed printed the same on every release it ran on; "
                f"so did every line not listed.")
     out.append("")
     for command, groups in by_command.items():
