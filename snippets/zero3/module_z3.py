@@ -119,4 +119,3 @@ def main_without_registration():
 
 if __name__ == "__main__":
     main()
-# an edit, as an author makes one (benchmarks/suite_floor.py)
