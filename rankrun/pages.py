@@ -21,6 +21,16 @@ def includes():
     return found
 
 
+# Examples whose outcome depends on what the process imported first (a model class first
+# imported inside deepspeed.zero.Init): they run in fresh rank processes, never the warm pool's,
+# which has torch._dynamo imported already.
+RUN_FRESH = frozenset({
+    "snippets/transformers/import_inside_zero_init.py",
+    "snippets/transformers/import_first_zero_init.py",
+    "snippets/transformers/hf_config_zero_init.py",
+})
+
+
 def all_snippets() -> list[Path]:
     """Every example file under snippets/, as paths relative to the repository root."""
     return sorted(path.relative_to(ROOT) for path in SNIPPETS.rglob("*.py"))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rankrun.pages import all_snippets, documented_world_size, output_file, runs_before
+from rankrun.pages import RUN_FRESH, all_snippets, documented_world_size, output_file, runs_before
 from rankrun.runner import run_snippet
 
 # Snippets that need more than the runner's default timeout: automatic_detection.py trains
@@ -22,11 +22,7 @@ TIMEOUTS = {
 
 # Snippets whose outcome depends on what the process imported before them: the warm pool's
 # ranks have imported torch._dynamo, so these run in new interpreters, as torchrun starts them.
-FRESH = {
-    "snippets/transformers/import_inside_zero_init.py",
-    "snippets/transformers/import_first_zero_init.py",
-    "snippets/transformers/hf_config_zero_init.py",
-}
+FRESH = RUN_FRESH
 
 
 @pytest.mark.parametrize("snippet", all_snippets(), ids=str)

@@ -8,6 +8,7 @@ from importlib.metadata import version
 
 import pytest
 
+from rankrun.pages import RUN_FRESH
 from rankrun.runner import ROOT, run_snippet
 
 from versions import matrix
@@ -153,7 +154,7 @@ def test_the_pinned_row_equals_a_fresh_run(command):
     committed = DATA["releases"][PINNED]["examples"].get(command)
     assert committed is not None, f"no {PINNED} row for {command}: python3 tasks.py matrix --release {PINNED}"
     # A generous timeout: on a loaded machine a run can take minutes; a timeout fails the test.
-    result = run_snippet(path, world_size=int(ranks), timeout=600)
+    result = run_snippet(path, world_size=int(ranks), timeout=600, fresh=path in RUN_FRESH)
     assert not result.timed_out, result.failure_report()
     printed = [matrix.printed(rank.stdout) for rank in result.ranks]
     raised = sorted({without_addresses(f"{rank.exception['name']}: {str(rank.exception['message']).splitlines()[0]}")
