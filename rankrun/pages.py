@@ -13,9 +13,9 @@ from rankrun.project import DOCS, ROOT, SNIPPETS, TORCHRUN
 def includes():
     """(page, file, section or None) for every snippet include in docs/ (Markdown pages and
     the Markdown cells of the jupytext notebooks)."""
-    found = []
+    found, pre = [], snippet_preprocessor()  # one preprocessor for every page
     for page in doc_pages():
-        for _, spec in include_specs(page_lines(page)):
+        for _, spec in include_specs(page_lines(page), pre):
             path, _, section = spec.partition(":")
             found.append((page.relative_to(ROOT), path, section or None))
     return found
