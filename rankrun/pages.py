@@ -245,3 +245,53 @@ def code_blocks(markdown_text: str, language: str = "python") -> list[tuple[int,
         found.append((markdown_text.count("\n", 0, match.start()) + 1, title.group(1) if title else "",
                       textwrap.dedent(body)))
     return found
+
+
+# Where only rank 0 of a run prints, an output block's label says so right before its link
+# (tests/test_snippets.py checks it against the run).
+ONLY_RANK_0 = "; only rank 0 prints"
+
+
+def fenced_blocks(lines: list[str]):
+    """(index of the opening fence, index of the closing fence) of each fenced block of a page,
+    the fences of the --8<-- notation's own examples (escaped includes) left out."""
+    notation = snippet_notation(lines)
+    index = 0
+    while index < len(lines):
+        fence = FENCE_LINE.match(lines[index])
+        if not fence or notation[index]:
+            index += 1
+            continue
+        marker = fence.group(1)
+        closing = re.compile(rf"^\s*{re.escape(marker[0])}{{{len(marker)},}}\s*$")
+        end = index + 1
+        while end < len(lines) and not closing.match(lines[end]):
+            end += 1
+        yield index, end
+        index = end + 1
+
+
+def output_blocks(lines: list[str]) -> list[tuple[int, str, list[tuple[str, Path]]]]:
+    """(line of the fence, the paragraph before it, the output files it includes as (target as
+    written, resolved file)) for each fenced block that includes output files."""
+    blocks = []
+    for index, end in fenced_blocks(lines):
+        # runner transcripts; other data files say what they are
+        outputs = [(spec, path) for spec, path, _ in included_files(lines[index + 1:end]) if path.suffix == ".out"]
+        if outputs:
+            before = index - 1
+            while before >= 0 and not lines[before].strip():
+                before -= 1
+            paragraph = []
+            while before >= 0 and lines[before].strip() and not FENCE_LINE.match(lines[before]):
+                paragraph.insert(0, lines[before].strip())
+                before -= 1
+            blocks.append((index + 1, " ".join(paragraph), outputs))
+    return blocks
+
+
+def included_in_code_blocks(lines: list[str]) -> list[tuple[str, str]]:
+    """(target as written, included text) of every include inside a fenced code block, which
+    renders as code (an include outside one, such as a generated note, renders as Markdown)."""
+    return [(spec, text) for index, end in fenced_blocks(lines)
+            for spec, _, text in included_files(lines[index + 1:end]) if text.strip()]

@@ -17,9 +17,8 @@ import pytest
 
 from rankrun.pages import output_file
 from rankrun.runner import DEEPSPEED_NOISE, check_torchrun, printed_by_the_example, run_torchrun
-from rankrun.pages import FENCE_LINE as FENCE
-from rankrun.pages import doc_pages as pages
-from rankrun.pages import included_files, normalise, page_lines, page_name, page_outputs, snippet_notation
+from rankrun.pages import ONLY_RANK_0, doc_pages as pages
+from rankrun.pages import normalise, output_blocks, page_lines, page_name, page_outputs
 
 # The runner's transcript (rankrun/runner.py RunResult.transcript) is what an output file holds:
 # each rank's stdout, rank after rank (torchrun interleaves them), without DeepSpeed's log
@@ -28,49 +27,17 @@ from rankrun.pages import included_files, normalise, page_lines, page_name, page
 # says what the block leaves out (stderr: warnings, tracebacks, torchrun's own report).
 LABEL = "The stdout of each rank, rank by rank ([what this block leaves out]):"
 LABEL_FAILED = "The stdout of each rank, rank by rank, then the exception the ranks raised ([what this block leaves out]):"
-# Where only rank 0 prints, the label may say so right before the link.
-ONLY_RANK_0 = "; only rank 0 prints"
 LABEL_LINK = re.compile(r"\[what this block leaves out\]\(([^)]*)\)")
 # A line the runner adds to a transcript: `Type: message` of an exception, or how a rank ended.
 RUNNER_LINE = re.compile(r"^(?:\w+(?:Error|Exception|Interrupt): |rank \d+ (?:exited with code|killed by signal) )", re.M)
 RUNNER_LINE_FULL = re.compile(RUNNER_LINE.pattern + r".*\n?", re.M)
 
 
-def output_blocks(lines: list[str]) -> list[tuple[int, str, list[str]]]:
-    """(line of the fence, the paragraph before it, the output files it includes) for each
-    fenced block that includes output files."""
-    notation = snippet_notation(lines)
-    blocks = []
-    index = 0
-    while index < len(lines):
-        fence = FENCE.match(lines[index])
-        if not fence or notation[index]:
-            index += 1
-            continue
-        marker = fence.group(1)
-        closing = re.compile(rf"^\s*{re.escape(marker[0])}{{{len(marker)},}}\s*$")
-        end = index + 1
-        while end < len(lines) and not closing.match(lines[end]):
-            end += 1
-        body = [lines[n] for n in range(index + 1, min(end, len(lines)))]
-        outputs = [spec for spec, path, _ in included_files(body) if path.suffix == ".out"]  # runner transcripts; other data files say what they are
-        if outputs:
-            before = index - 1
-            while before >= 0 and not lines[before].strip():
-                before -= 1
-            paragraph = []
-            while before >= 0 and lines[before].strip() and not FENCE.match(lines[before]):
-                paragraph.insert(0, lines[before].strip())
-                before -= 1
-            blocks.append((index + 1, " ".join(paragraph), outputs))
-        index = end + 1
-    return blocks
-
-
 def label_problems(page_name: str, lines: list[str]) -> list[str]:
     problems = []
     texts = {spec: text for spec, text in page_outputs(lines)}
-    for line, paragraph, outputs in output_blocks(lines):
+    for line, paragraph, included in output_blocks(lines):
+        outputs = [spec for spec, _ in included]
         failed = any(RUNNER_LINE.search(texts[spec]) for spec in outputs)
         wanted = LABEL_FAILED if failed else LABEL
         link = LABEL_LINK.search(paragraph)

@@ -9,36 +9,18 @@ fails the test if a request left the local server or an error was logged.
 
 from __future__ import annotations
 
-import re
 from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
-from rankrun.runner import ROOT
+from rankrun.pages import included_in_code_blocks, page_lines
+from rankrun.project import ROOT
 
 pytestmark = pytest.mark.slow  # a real Chromium
 
 DOCS = ROOT / "docs"
-SNIPPET_INCLUDE = re.compile(r'^\s*--8<-- "(snippets/[^"]+)"$', re.MULTILINE)
-
-
-def includes_in_code_blocks(markdown: str) -> list[str]:
-    """The snippet includes inside fenced code blocks (an include outside one, such as a
-    generated Markdown table, renders as Markdown, not as code)."""
-    found, fence = [], None
-    for line in markdown.splitlines():
-        stripped = line.strip()
-        if fence is None and stripped.startswith(("```", "~~~")):
-            fence = stripped[:3]
-        elif fence is not None and stripped.startswith(fence) and not stripped[3:].strip():
-            fence = None
-        elif fence is not None:
-            found += SNIPPET_INCLUDE.findall(line)
-    return found
-
-
 def page_paths() -> list[str]:
     """The address (relative to the site root) of every page, from the sources in docs/."""
     paths = []
@@ -51,16 +33,6 @@ def page_paths() -> list[str]:
 def source_of(path: str) -> Path:
     stem = DOCS / (path.rstrip("/") or "index")
     return stem.with_suffix(".md") if stem.with_suffix(".md").is_file() else stem.with_suffix(".py")
-
-
-def first_line_of(include: str) -> str:
-    """The first non-blank line of an included file or section, whitespace-normalized."""
-    path, _, section = include.partition(":")
-    lines = (ROOT / path).read_text().splitlines()
-    if section:
-        start = next(i for i, line in enumerate(lines) if line.strip().endswith(f"[start:{section}]"))
-        lines = lines[start + 1:]
-    return " ".join(next(line for line in lines if line.strip()).split())
 
 
 def open_page(page, url):
@@ -95,8 +67,8 @@ def test_page_renders_with_working_copy_buttons(browser_page, site_url, path):
         buttons = page.locator("article div.highlight pre button[data-md-type='copy']")
         assert blocks.count() == buttons.count()
         shown = " ".join(" ".join(blocks.all_text_contents()).split())  # collapsed blocks too
-        for include in includes_in_code_blocks(source.read_text()):
-            first_line = first_line_of(include)
+        for include, text in included_in_code_blocks(page_lines(source)):
+            first_line = " ".join(next(line for line in text.splitlines() if line.strip()).split())
             assert first_line in shown, f"{path}: the code included by {include!r} is not on the page"
         if blocks.count():
             check_copy(page, blocks.first.locator("code"), buttons.first)
