@@ -10,6 +10,12 @@ from rankrun.project import ROOT
 from rankrun.tolerance import assert_matches
 
 
+def example_namespace(snippet) -> dict:
+    """The definitions of an example (a path relative to the repository root), its main block
+    not run: the module's globals, as `runpy` leaves them, for building its reference."""
+    return runpy.run_path(str(ROOT / snippet), run_name="reference")
+
+
 def train_in_one_process(model, batches, loss_fn, lr):
     """Plain SGD over `batches` of (inputs, targets); the loss and every full gradient of each step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -113,7 +119,7 @@ def train_tied_pipeline_in_one_process(fresh_optimizer_after=None):
     does, Adam with the snippet's LR,
     each step the mean over its micro-batches. With `fresh_optimizer_after=n`, Adam starts
     anew after n steps (what loading without the optimizer state does)."""
-    ex = runpy.run_path(str(ROOT / "snippets/pipeline/deepspeed_tied_checkpoint.py"), run_name="reference")
+    ex = example_namespace("snippets/pipeline/deepspeed_tied_checkpoint.py")
     embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
         0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]
@@ -162,3 +168,38 @@ def train_adapter_in_one_process(model, batches, lr):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+# The automatic-detection page's rule, written out for the cases of its tables
+# (snippets/zero3/automatic_detection.py): without registration a read is detected when it goes
+# through the owning module's attribute (its parameter dictionary) ...
+THROUGH_THE_MODULE = {
+    "`self.embeddings.weight`",
+    '`getattr(self.embeddings, "weight")`',
+    "a list holding the module: `self.owners[0].weight`",
+}
+# ... and the weight is not read before the owner's forward ran in the step.
+MATMUL_ERROR = "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)"
+LOOKUP_ERROR = "RuntimeError: 'weight' must be 2-D"
+OUTSIDE_ERROR = "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)"
+INDEX_ERROR = "IndexError: index 0 is out of bounds for dimension 0 with size 0"
+OTHERS = {  # row: (without registration, with registration); None means "equals plain PyTorch"
+    "a submodule returns its own parameter: `self.embeddings()`": (None, None),
+    "a shared Parameter: `lm_head.weight = embeddings.weight`": (None, None),
+    "`engine.module(tokens)` instead of `engine(tokens)`": (None, None),
+    "read outside any forward, in the training loop": (("in step 0", OUTSIDE_ERROR),) * 2,
+    "changed in a constructor, after `zero.Init` partitioned it": ("silently wrong",) * 2,
+    "indexed in a constructor, after `zero.Init` partitioned it": (("while building the model", INDEX_ERROR),) * 2,
+}
+
+
+def predicted_outcome(example, key, register):
+    """What the automatic-detection page's rule predicts for one case of its tables (a key of
+    automatic_detection.py's `cases()`), with or without registration: None (the run equals
+    plain PyTorch), 'silently wrong', or (where, message)."""
+    if len(key) == 1:
+        return OTHERS[key[0]][register]
+    read, when, use = key
+    if register or (read in THROUGH_THE_MODULE and when != "before"):
+        return None
+    return ("in step 0", MATMUL_ERROR if use == example["FIRST_USE"] else LOOKUP_ERROR)

@@ -196,6 +196,12 @@ def imported_test_modules(source: str) -> list[str]:
                  else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
         found += [name for name in names if name.split(".")[-1].startswith(("test_", "conftest"))
                   or name.startswith("tests")]
+        # ... or runs one by path (runpy.run_path, importlib's spec_from_file_location)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in {
+                "run_path", "spec_from_file_location"}:
+            found += [part.value for argument in node.args for part in ast.walk(argument)
+                      if isinstance(part, ast.Constant) and isinstance(part.value, str)
+                      and part.value.rsplit("/", 1)[-1].startswith(("test_", "conftest"))]
     return found
 
 
@@ -207,3 +213,4 @@ def test_no_test_module_imports_another():
     assert imported_test_modules("from test_site import strict_build\nimport os") == ["test_site"]
     assert imported_test_modules("from tests.site.conftest import x") == ["tests.site.conftest"]
     assert imported_test_modules("from rankrun.site_build import strict_build") == []
+    assert imported_test_modules('runpy.run_path(str(ROOT / "tests/zero3/test_x.py"))') == ["tests/zero3/test_x.py"]

@@ -1,13 +1,11 @@
 """snippets/pipeline/deepspeed_three_way.py: one TiedLayerSpec key used three times is one tie group of
 three stages, equal to one process."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import backward_over_micro_batches, example_namespace, layers_seeded_like_deepspeed
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -18,7 +16,7 @@ def deepspeed_reference():
     """One process: layers seeded as PipelineModule(seed_layers=True) seeds them (layer i after
     manual_seed(SEED + i); the tied module is built at its first use, layer 0), one embedding
     for the three uses, the same micro-batches and SGD."""
-    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    ex = example_namespace(DEEPSPEED)
     embedding, encoder, decoder = layers_seeded_like_deepspeed(ex["SEED"], {
         0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 3: ex["Mixer"]})
     params = [*embedding.parameters(), *encoder.parameters(), *decoder.parameters()]

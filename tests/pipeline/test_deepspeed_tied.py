@@ -2,13 +2,12 @@
 the same layers declared with plain LayerSpec drift apart."""
 
 import functools
-import runpy
 
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
+from rankrun.reference import backward_over_micro_batches, example_namespace, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches, matches
 
@@ -18,7 +17,7 @@ SNIPPET = "snippets/pipeline/deepspeed_tied.py"
 def train_in_one_process():
     """The snippet's layers, data, micro-batching and optimizer in one plain-PyTorch process,
     with one embedding module serving as input layer and output head."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     seed = ex["SEED"]
     # PipelineModule(seed_layers=True) builds layer i right after seeding with SEED + i.
     embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(seed, {
@@ -132,7 +131,7 @@ def train_with_scaling(scaling, tied):
     untied variant: a second embedding for the head, a copy of the first at the start (the
     snippet broadcasts it by hand). Returns the step losses and max |embedding - head| after
     each step, as the snippet prints them."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
         0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     head = embedding if tied else torch.nn.Embedding(ex["VOCAB"], ex["DIM"])

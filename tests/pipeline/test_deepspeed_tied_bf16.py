@@ -2,14 +2,12 @@
 x 2 replicas: the copies stay bit-identical and training equals one fp32 process (bf16 within
 the bf16 tolerance)."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import layers_seeded_like_deepspeed
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, layers_seeded_like_deepspeed
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, deviation
 
 SNIPPET = "snippets/pipeline/deepspeed_tied_bf16.py"
@@ -23,7 +21,7 @@ def train_in_one_process(scale_by_micro_batches=True):
     """fp32, one process, both replicas' micro-batches each step. The gradient is the mean over
     them (what data parallelism and gradient accumulation should give), or, for contrast, their
     sum (a pipeline that forgot to divide by the number of micro-batches)."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
         0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]

@@ -2,13 +2,11 @@
 against clip_grad_norm_ on the same model in one process: DeepSpeed's norm (fp32, no ZeRO) is
 stage 0's gradients only."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import backward_over_micro_batches, gradient_norm, layers_seeded_like_deepspeed
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import backward_over_micro_batches, example_namespace, gradient_norm, layers_seeded_like_deepspeed
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 
@@ -19,7 +17,7 @@ def deepspeed_reference(rule):
     """One process: one embedding as input layer and head. rule "torch": clip_grad_norm_ on
     every parameter; rule "stage 0": the same scaling, by the norm of stage 0's parameters
     (embedding and first mixer) only. Returns losses, per-step norms (all, stage 0), weights."""
-    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    ex = example_namespace(DEEPSPEED)
     embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
         0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]

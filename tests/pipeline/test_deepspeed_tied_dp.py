@@ -1,13 +1,11 @@
 """snippets/pipeline/deepspeed_tied_dp.py: TiedLayerSpec on 4 ranks (2 stages x 2 replicas) equals one
 process on both replicas' data."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import backward_over_micro_batches, example_namespace, layers_seeded_like_deepspeed
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -18,7 +16,7 @@ def deepspeed_reference():
     """One process, no DeepSpeed: the layers seeded as PipelineModule(seed_layers=True) seeds
     them, one embedding as input layer and head, every step on both replicas' micro-batches
     (the loss of each divided by their number: the mean, as data parallelism averages)."""
-    ex = runpy.run_path(str(ROOT / DEEPSPEED), run_name="reference")
+    ex = example_namespace(DEEPSPEED)
     embedding, mixer1, mixer2 = layers_seeded_like_deepspeed(ex["SEED"], {
         0: lambda: torch.nn.Embedding(ex["VOCAB"], ex["DIM"]), 1: ex["Mixer"], 2: ex["Mixer"]})
     params = [*embedding.parameters(), *mixer1.parameters(), *mixer2.parameters()]

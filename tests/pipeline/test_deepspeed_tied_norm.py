@@ -2,14 +2,12 @@
 tied_weight_attr names; naming every parameter of both tied modules (two tie keys) trains like
 one process."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import backward_over_micro_batches, layers_seeded_like_deepspeed
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import backward_over_micro_batches, example_namespace, layers_seeded_like_deepspeed
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 SNIPPET = "snippets/pipeline/deepspeed_tied_norm.py"
@@ -20,7 +18,7 @@ LISTED = ["embed.embed.weight", "mixer.weight"]
 def train_in_one_process():
     """One EmbeddingWithNorm as input layer and head, one Linear as both mixers, seeded where
     PipelineModule(seed_layers=True) builds each tied module first (layers 0 and 1)."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     embed, mixer = layers_seeded_like_deepspeed(ex["SEED"], {
         0: ex["EmbeddingWithNorm"], 1: lambda: torch.nn.Linear(ex["DIM"], ex["DIM"])})
     optimizer = torch.optim.SGD([*embed.parameters(), *mixer.parameters()], lr=ex["LR"])

@@ -1,12 +1,11 @@
 """FSDP2 keeps a tie only inside one FSDP group; separate groups raise at the first forward."""
 
-import runpy
-
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/pipeline/fsdp_tied.py"
@@ -15,7 +14,7 @@ MESSAGE = ("Parameter 'head.weight' is shared with a parameter already managed b
 
 
 def train_in_one_process():
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     torch.manual_seed(ex["SEED"])
     model = ex["TiedLanguageModel"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])

@@ -2,12 +2,11 @@
 unit train like one process; FSDP1 with the two owners in separate units silently trains two
 weights."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 SNIPPET = "snippets/pipeline/fsdp_tied_layouts.py"
@@ -17,7 +16,7 @@ SEPARATE = "FSDP1, embed and head in separate units"
 def train_in_one_process():
     """The same model, seed, whole batch (the ranks' shares are equal, so their mean loss is
     the whole batch's) and SGD, without FSDP."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     torch.manual_seed(ex["SEED"])
     model = ex["TiedLanguageModel"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])

@@ -2,14 +2,12 @@
 the last stage; GPTModel's start-up tie needs CUDA; its per-step all-reduce of the shared
 weight's gradient (_allreduce_word_embedding_grads) makes the two copies train as one weight."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import train_gpipe_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, train_gpipe_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 SNIPPET = "snippets/pipeline/megatron_embedding_group.py"
@@ -18,7 +16,7 @@ SNIPPET = "snippets/pipeline/megatron_embedding_group.py"
 @pytest.fixture(scope="module")
 def reference():
     """The snippet's model in one process, one weight for both uses; GPipe micro-batching, SGD."""
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     torch.manual_seed(ex["SEED"])
     model = ex["TiedLanguageModel"]()
     start = model.embed.weight.detach().clone()

@@ -4,13 +4,12 @@ from it gives the pipeline's loss and the loss of the same training in one proce
 reference of deepspeed_tied_checkpoint's test). ds_to_universal finds no ZeRO files in a
 pipeline checkpoint."""
 
-import runpy
 import sys
 
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import train_tied_pipeline_in_one_process
+from rankrun.reference import example_namespace, train_tied_pipeline_in_one_process
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
@@ -22,7 +21,7 @@ FOLDER = ROOT / "snippets" / "pipeline"
 def example():
     sys.path.insert(0, str(FOLDER))  # the snippet imports deepspeed_tied_checkpoint
     try:
-        return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+        return example_namespace(SNIPPET)
     finally:
         sys.path.remove(str(FOLDER))
 

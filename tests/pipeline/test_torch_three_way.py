@@ -2,13 +2,11 @@
 stages) with torch.distributed.pipelining: one all_reduce over the three holding stages, equal
 to one process."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import train_gpipe_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, train_gpipe_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 
@@ -16,7 +14,7 @@ TORCH = "snippets/pipeline/torch_three_way.py"
 
 
 def torch_reference():
-    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
+    ex = example_namespace(TORCH)
     torch.manual_seed(ex["SEED"])
     model = ex["EncoderDecoder"]()
     losses, first_grad = train_gpipe_in_one_process(ex, model, model.encoder_embed.weight)

@@ -2,21 +2,20 @@
 the user; with a broadcast and an all_reduce(SUM) over the holding stages it equals one process."""
 
 import importlib
-import runpy
 
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import train_gpipe_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, train_gpipe_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 SNIPPET = "snippets/pipeline/torch_tied.py"
 
 
 def load():
-    return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    return example_namespace(SNIPPET)
 
 
 def train_in_one_process():

@@ -1,13 +1,11 @@
 """snippets/pipeline/torch_tied_clip.py: clipping by hand on 2 torch.distributed.pipelining stages
 matches one process only when the stages' squares are summed, the tie counted once."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import gradient_norm
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, gradient_norm
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 
@@ -15,7 +13,7 @@ TORCH = "snippets/pipeline/torch_tied_clip.py"
 
 
 def torch_reference():
-    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
+    ex = example_namespace(TORCH)
     torch.manual_seed(ex["SEED"])
     model = ex["TiedLanguageModel"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])

@@ -1,12 +1,11 @@
 """snippets/pipeline/torch_tied_dp.py: the hand-kept tie of torch.distributed.pipelining on 4 ranks
 (2 stages x 2 replicas) equals one process on both replicas' data."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -14,7 +13,7 @@ TORCH = "snippets/pipeline/torch_tied_dp.py"
 
 
 def torch_reference():
-    ex = runpy.run_path(str(ROOT / TORCH), run_name="reference")
+    ex = example_namespace(TORCH)
     torch.manual_seed(ex["SEED"])
     model = ex["TiedLanguageModel"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])

@@ -1,19 +1,18 @@
 """A V-shaped schedule puts the first and the last stage on one rank: the tied embedding and
 head are one tensor there, trained without any all_reduce, equal to one process."""
 
-import runpy
-
 import torch
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/pipeline/torch_tied_v.py"
 
 
 def reference():
-    ex = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    ex = example_namespace(SNIPPET)
     layers = ex["build_model"]()
     params = list({id(p): p for layer in layers for p in layer.parameters()}.values())
     optimizer = torch.optim.SGD(params, lr=ex["LR"])

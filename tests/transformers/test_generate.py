@@ -4,17 +4,17 @@ with synced_gpus=True, every rank's tokens equal the same model's in one process
 synced_gpus=False the ranks hang, shown by the runner's timeout and the ranks' stacks."""
 
 import re
-import runpy
 
 import pytest
 
 from rankrun.pages import output_file
+from rankrun.reference import example_namespace
 from rankrun.runner import ROOT, printed_by_the_example, run_snippet
 
 SNIPPET = "snippets/transformers/generate.py"
 TIMEOUT = 600  # Transformers on a loaded 2-core machine
 HANG_TIMEOUT = 90  # the hang: long enough to load Transformers and generate, then it is a hang
-EXAMPLE = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+EXAMPLE = example_namespace(SNIPPET)
 
 
 def one_process(rank):

@@ -5,13 +5,11 @@ The runs use new interpreters (fresh=True), as the failing example's does: in th
 torch._dynamo is imported before the snippet starts, so the fix would not be what made the
 build work."""
 
-import runpy
-
 import pytest
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, train_causal_lm_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace, train_causal_lm_in_one_process
+from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/transformers/import_first_zero_init.py"
 SHARED = "snippets/transformers/import_inside_zero_init.py"
@@ -23,7 +21,7 @@ def test_the_fix_trains_like_one_process(world_size, expect_output):
     import transformers
 
     result = run_snippet(SNIPPET, world_size, call="main", timeout=TIMEOUT, fresh=True).check()
-    example = runpy.run_path(str(ROOT / SHARED), run_name="reference")
+    example = example_namespace(SHARED)
     initial = result.returned(0)["initial"]
     model = transformers.GPT2LMHeadModel(example["tiny_gpt2_config"]())
     batches = [example["make_batch"](step) for step in range(example["STEPS"])]

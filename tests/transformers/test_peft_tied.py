@@ -6,14 +6,13 @@ losses, its saved adapter and its merged model's logits equal that reference's, 
 adapter merged in one process gives the trained model's logits; only the tied one stays tied."""
 
 import os
-import runpy
 import sys
 
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import train_adapter_in_one_process
+from rankrun.reference import example_namespace, train_adapter_in_one_process
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
@@ -28,7 +27,7 @@ def example():
     """The example's names, with those it takes from tied_causal_lm.py (STEPS, LR)."""
     sys.path.insert(0, str(ROOT / "snippets" / "transformers"))  # it imports tied_causal_lm
     try:
-        names = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+        names = example_namespace(SNIPPET)
         return {**vars(sys.modules["tied_causal_lm"]), **names}
     finally:
         sys.path.remove(str(ROOT / "snippets" / "transformers"))

@@ -3,14 +3,12 @@
 as its own engine (by hand, and by trl's prepare_deepspeed) or built outside ZeRO-3, its
 logits and the student's training equal the same models in one process without DeepSpeed."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/transformers/reference_model.py"
@@ -21,7 +19,7 @@ FAILS = "RuntimeError: 'weight' must be 2-D"
 @pytest.fixture(scope="module")
 def reference():
     """Student and teacher in this one process: same weights (same seeds), batch, loss, SGD."""
-    example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    example = example_namespace(SNIPPET)
     student = example["tiny_llama"](example["STUDENT_SEED"])
     teacher = example["tiny_llama"](example["TEACHER_SEED"]).eval()
     assert not hasattr(student.model.embed_tokens.weight, "ds_shape")  # not partitioned

@@ -3,19 +3,17 @@ ZeRO-3 on 2 and 4 ranks. Before deepspeed.initialize (inside or outside zero.Ini
 HfDeepSpeedConfig alive) the head stays tied, the old rows are unchanged, and training equals
 the same resize in one process; the other orders fail with the exact messages."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace
+from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/transformers/resize_embeddings.py"
 TIMEOUT = 600  # Transformers and three engines on a loaded 2-core machine
-EXAMPLE = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+EXAMPLE = example_namespace(SNIPPET)
 VOCAB, ADDED = EXAMPLE["VOCAB"], EXAMPLE["ADDED"]
 
 

@@ -2,7 +2,6 @@
 the same tiny T5 trained in one process without DeepSpeed."""
 
 import copy
-import runpy
 import shutil
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training
+from rankrun.reference import assert_same_training, example_namespace
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
@@ -27,7 +26,7 @@ def load(snippet):
     folder = str((ROOT / snippet).parent)
     sys.path.insert(0, folder)
     try:
-        return runpy.run_path(str(ROOT / snippet), run_name="reference")
+        return example_namespace(snippet)
     finally:
         sys.path.remove(folder)
         sys.modules.pop("tiny_t5", None)

@@ -3,13 +3,13 @@ saved with save_model, reloaded here with from_pretrained in one process without
 tie is kept, the weights are those of the same training in plain PyTorch, and the logits and
 greedy generation are the run's. Then the two broken-tie cases and their fixes."""
 
-import runpy
 import sys
 
 import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.reference import example_namespace
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
@@ -26,7 +26,7 @@ UNTIED = "but both are present in the checkpoints with different values, so we w
 def example():
     sys.path.insert(0, str(ROOT / "snippets" / "transformers"))  # the snippet imports tiny_t5
     try:
-        return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+        return example_namespace(SNIPPET)
     finally:
         sys.path.remove(str(ROOT / "snippets" / "transformers"))
 

@@ -2,55 +2,25 @@
 predicts, each run that works equal to plain PyTorch (loss and every full gradient, both steps),
 each failure with its exact message, and the tables on the page are the ones the run printed."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
+from rankrun.reference import (INDEX_ERROR, LOOKUP_ERROR, MATMUL_ERROR, OTHERS, OUTSIDE_ERROR, example_namespace,
+                               predicted_outcome)
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import matches
 
 SNIPPET = "snippets/zero3/automatic_detection.py"
 PAGE = ROOT / "docs/zero3/automatic-detection.md"
 
-# The page's rule, written out: without registration a read is detected when it goes through
-# the owning module's attribute (its parameter dictionary) ...
-THROUGH_THE_MODULE = {
-    "`self.embeddings.weight`",
-    '`getattr(self.embeddings, "weight")`',
-    "a list holding the module: `self.owners[0].weight`",
-}
-# ... and the weight is not read before the owner's forward ran in the step.
-MATMUL_ERROR = "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)"
-LOOKUP_ERROR = "RuntimeError: 'weight' must be 2-D"
-OUTSIDE_ERROR = "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)"
-INDEX_ERROR = "IndexError: index 0 is out of bounds for dimension 0 with size 0"
-OTHERS = {  # row: (without registration, with registration); None means "equals plain PyTorch"
-    "a submodule returns its own parameter: `self.embeddings()`": (None, None),
-    "a shared Parameter: `lm_head.weight = embeddings.weight`": (None, None),
-    "`engine.module(tokens)` instead of `engine(tokens)`": (None, None),
-    "read outside any forward, in the training loop": (("in step 0", OUTSIDE_ERROR),) * 2,
-    "changed in a constructor, after `zero.Init` partitioned it": ("silently wrong",) * 2,
-    "indexed in a constructor, after `zero.Init` partitioned it": (("while building the model", INDEX_ERROR),) * 2,
-}
 SILENTLY_WRONG = "changed in a constructor, after `zero.Init` partitioned it"
 
 
 @pytest.fixture(scope="module")
 def example():
-    return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
-
-
-def predicted(example, key, register):
-    """None (equals plain PyTorch), 'silently wrong', or (where, message)."""
-    if len(key) == 1:
-        return OTHERS[key[0]][register]
-    read, when, use = key
-    if register or (read in THROUGH_THE_MODULE and when != "before"):
-        return None
-    return ("in step 0", MATMUL_ERROR if use == example["FIRST_USE"] else LOOKUP_ERROR)
+    return example_namespace(SNIPPET)
 
 
 class PlainEngine:
@@ -111,7 +81,7 @@ def test_every_cell_on_zero3(world_size, example, expect_output):
         assert rows.keys() == references.keys()
         for key, want in references.items():
             for register in (False, True):
-                got, expected = rows[key][register], predicted(example, key, register)
+                got, expected = rows[key][register], predicted_outcome(example, key, register)
                 label = f"rank {rank} {key} register={register}: {got.get('error')}"
                 if expected is None:
                     assert same_run(got, want), label

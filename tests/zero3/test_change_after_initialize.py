@@ -1,13 +1,12 @@
 """snippets/zero3/change_after_initialize.py: a change made after deepspeed.initialize is undone by the
 optimizer's step; the ways that keep it."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 
 
 CHANGE = "snippets/zero3/change_after_initialize.py"
@@ -15,7 +14,7 @@ CHANGE = "snippets/zero3/change_after_initialize.py"
 
 def plain_change_losses():
     """The losses plain PyTorch computes for the same model and inputs at weights 0.5, 1.0, 3.0."""
-    example = runpy.run_path(str(ROOT / CHANGE), run_name="reference")
+    example = example_namespace(CHANGE)
     losses = {}
     for value in (0.5, 1.0, 3.0):
         torch.manual_seed(example["SEED"])

@@ -3,32 +3,25 @@ outcome those runs show (tests/zero3/test_automatic_detection.py asserts the run
 command exits with 1 on a finding and 0 without one."""
 
 import os
-import runpy
 import subprocess
 import sys
 
-import pytest
-
 from rankrun.pages import output_file
+from rankrun.reference import example_namespace, predicted_outcome
 from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/check_shared_reads.py"
 EXAMPLES = "snippets/zero3/check_examples.py"
 
 
-@pytest.fixture(scope="module")
-def tables_test():
-    return runpy.run_path(str(ROOT / "tests/zero3/test_automatic_detection.py"))
-
-
-def test_agrees_with_every_cell_of_the_automatic_detection_tables(tables_test):
-    example = runpy.run_path(str(ROOT / "snippets/zero3/automatic_detection.py"), run_name="x")
+def test_agrees_with_every_cell_of_the_automatic_detection_tables():
+    example = example_namespace("snippets/zero3/automatic_detection.py")
     # 78 checker runs in one process.
     found = run_snippet(EXAMPLES, 1, call="check_tables", timeout=600).check().returned(0)
     assert found.keys() == example["cases"]().keys()
     for key, by_register in found.items():
         for register, findings in by_register.items():
-            expected = tables_test["predicted"](example, key, register)
+            expected = predicted_outcome(example, key, register)
             label = f"{key} register={register}: {findings}"
             if expected is None:  # the run equals plain PyTorch
                 assert findings == [], label

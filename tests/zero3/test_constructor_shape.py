@@ -1,14 +1,13 @@
 """snippets/zero3/constructor_shape.py: a shape read in a constructor under zero.Init (DeepSpeed issue #907)
 and its fixes."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -18,7 +17,7 @@ SIZE_ERROR = "IndexError: Dimension out of range (expected to be in range of [-1
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_constructor_reads_a_shape(world_size, expect_output):
-    example = runpy.run_path(str(ROOT / CONSTRUCTOR), run_name="reference")
+    example = example_namespace(CONSTRUCTOR)
     torch.manual_seed(example["SEED"])
     plain = example["LanguageModel"](example["width_from_config"])
     tokens, targets = example["make_batch"]()

@@ -3,15 +3,13 @@ inside the module's own forward raises "Cannot free a ZeRO-3 parameter ..." in s
 step 0 equal to plain PyTorch); all weights gathered around a forward, and no gather at all,
 train like plain PyTorch."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, train_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/zero3/free_active_param.py"
@@ -23,7 +21,7 @@ ACTIVE = "'status': 'AVAILABLE'"
 
 @pytest.fixture(scope="module")
 def reference():
-    example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    example = example_namespace(SNIPPET)
     torch.manual_seed(example["SEED"])
     vocab = example["VOCAB"]
     batches = (example["batch"](step) for step in range(example["STEPS"]))

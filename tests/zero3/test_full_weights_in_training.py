@@ -1,14 +1,13 @@
 """snippets/zero3/full_weights_in_training.py: logging, EMA, surgery and full gradients during training
 equal plain PyTorch."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -16,7 +15,7 @@ JOBS = "snippets/zero3/full_weights_in_training.py"
 
 
 def train_jobs_without_deepspeed():
-    example = runpy.run_path(str(ROOT / JOBS), run_name="reference")
+    example = example_namespace(JOBS)
     torch.manual_seed(example["SEED"])
     model = example["build_model"]()
     optimizer = torch.optim.Adam(model.parameters(), lr=example["LR"])

@@ -1,22 +1,20 @@
 """snippets/zero3/gathered_in_loss.py: GatheredParameters in a loss works when backward does not need the
 weight's values after the block, and fails in backward when it does."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace
+from rankrun.runner import run_snippet
 
 
 IN_LOSS = "snippets/zero3/gathered_in_loss.py"
 
 
 def train_in_loss_without_deepspeed(trainable):
-    example = runpy.run_path(str(ROOT / IN_LOSS), run_name="reference")
+    example = example_namespace(IN_LOSS)
     torch.manual_seed(example["SEED"])
     model = example["Seq2Seq"](True)
     model.shared.weight.requires_grad_(trainable)

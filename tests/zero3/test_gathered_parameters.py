@@ -1,14 +1,13 @@
 """snippets/zero3/gathered_parameters.py: reading and changing a partitioned weight outside forward with
 GatheredParameters; the change with modifier_rank=None is lost (with DeepSpeed's guard warning)."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -31,7 +30,7 @@ def assert_grads_equal(got, want, label):
 
 @pytest.fixture(scope="module")
 def gathered_reference():
-    example = runpy.run_path(str(ROOT / GATHERED), run_name="reference")
+    example = example_namespace(GATHERED)
     torch.manual_seed(example["SEED"])
     model = example["LanguageModel"]()  # GatheredParameters is a no-op without ZeRO-3
     weight = model.embeddings.weight.detach().clone()

@@ -1,14 +1,13 @@
 """snippets/zero3/gathered_parameters_api.py: the other GatheredParameters arguments (fwd_module, a list,
 enabled, non-parameters) and unregister_external_parameter."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -17,7 +16,7 @@ API = "snippets/zero3/gathered_parameters_api.py"
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gathered_parameters_api(world_size, expect_output):
-    example = runpy.run_path(str(ROOT / API), run_name="reference")
+    example = example_namespace(API)
     torch.manual_seed(example["SEED"])
     torch.nn.Linear(example["DIM"], 4)  # the same random draws as under zero.Init
     plain = example["ListHead"]()

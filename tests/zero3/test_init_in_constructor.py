@@ -4,13 +4,12 @@ function called in a loop over `self.modules()`, and a direct `.data.mul_`, are 
 an error: the weights are those of the model built without that initialization. On 2 and 4
 ranks, on every rank."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/zero3/init_in_constructor.py"
 APPLY = "self.apply(self._init_weights)"
@@ -18,7 +17,7 @@ APPLY = "self.apply(self._init_weights)"
 
 @pytest.fixture(scope="module")
 def example():
-    return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    return example_namespace(SNIPPET)
 
 
 def built_in_one_process(example, init):

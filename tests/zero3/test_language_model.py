@@ -1,13 +1,11 @@
 """LanguageModel under ZeRO-3 equals the same model trained without DeepSpeed."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, train_in_one_process
+from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
 from rankrun.runner import ROOT, check_torchrun, printed_by_the_example, run_snippet, run_torchrun
 
 SNIPPET = "snippets/zero3/language_model.py"
@@ -15,7 +13,7 @@ SNIPPET = "snippets/zero3/language_model.py"
 
 def train_without_deepspeed():
     """The snippet's model, data and optimizer in one plain-PyTorch process."""
-    example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    example = example_namespace(SNIPPET)
     torch.manual_seed(example["SEED"])
     vocab = example["VOCAB"]
     return train_in_one_process(

@@ -2,7 +2,6 @@
 the registration; the registered weight is gathered at the start of ModuleZ3.forward and
 partitioned again after backward; the upstream example as shipped fails in its constructor."""
 
-import runpy
 import textwrap
 
 import deepspeed
@@ -12,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, train_in_one_process
+from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
 from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/module_z3.py"
@@ -21,7 +20,7 @@ UPSTREAM_ERROR = "ModuleZ3.__init__() takes 1 positional argument but 2 were giv
 
 
 def train_without_deepspeed():
-    example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    example = example_namespace(SNIPPET)
     torch.manual_seed(example["SEED"])
     return train_in_one_process(
         example["ModuleZ3"](),
@@ -65,7 +64,7 @@ def test_zero3_matches_plain_pytorch(world_size, reference, expect_output):
 
 def test_without_registration_deepspeed_detects_the_read(reference):
     """ModuleZ3 reads self.layer1.weight as an attribute in its forward: the automatically detected case."""
-    example = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    example = example_namespace(SNIPPET)
     # The variant really registers nothing (register_external_parameter works without ZeRO-3 too).
     assert hasattr(example["ModuleZ3"](), "_external_params")
     assert not hasattr(example["ModuleZ3WithoutRegistration"](), "_external_params")

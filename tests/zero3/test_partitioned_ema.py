@@ -2,21 +2,21 @@
 equals the EMA of the same training in one process, and each rank holds only its share."""
 
 import math
-import runpy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 EMA = "snippets/zero3/partitioned_ema.py"
 
 
 def ema_without_deepspeed():
-    example = runpy.run_path(str(ROOT / EMA), run_name="reference")
+    example = example_namespace(EMA)
     torch.manual_seed(example["SEED"])
     model = example["build_model"]()
     optimizer = torch.optim.Adam(model.parameters(), lr=example["LR"])

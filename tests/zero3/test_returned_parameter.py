@@ -3,15 +3,13 @@ its output (a tuple's item, a dict's value) is detected and trains as in one pro
 steps; nested one level deeper (a dict inside a tuple) it is not, and the first forward fails
 with the exact message; registering it fixes that. On 2 and 4 ranks."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, train_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
+from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/zero3/returned_parameter.py"
 NESTED_ERROR = "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)"
@@ -19,7 +17,7 @@ NESTED_ERROR = "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)
 
 @pytest.fixture(scope="module")
 def example():
-    return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    return example_namespace(SNIPPET)
 
 
 def one_process(example, form):

@@ -2,20 +2,19 @@
 on 2 and 4 ranks; its training equals plain PyTorch; the page's data file is this run's."""
 
 import math
-import runpy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import train_in_one_process
+from rankrun.reference import example_namespace, train_in_one_process
 from rankrun.runner import ROOT, run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/zero3/sharing_cost.py"
 TIMELINE = ROOT / "snippets/zero3/sharing_cost.tsv"
-EXAMPLE = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+EXAMPLE = example_namespace(SNIPPET)
 VOCAB, DIM, LAYERS, STEPS = (EXAMPLE[k] for k in ("VOCAB", "DIM", "LAYERS", "STEPS"))
 E = VOCAB * DIM * 4  # bytes of the full embedding weight
 L = (DIM * DIM + DIM) * 4  # bytes of one full layer (weight and bias)

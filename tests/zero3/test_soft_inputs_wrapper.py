@@ -1,21 +1,19 @@
 """snippets/zero3/soft_inputs_wrapper.py: the soft-input product in a wrapper's forward trains like plain PyTorch."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, train_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
+from rankrun.runner import run_snippet
 
 
 WRAPPER = "snippets/zero3/soft_inputs_wrapper.py"
 
 
 def train_wrapper_without_deepspeed():
-    example = runpy.run_path(str(ROOT / WRAPPER), run_name="reference")
+    example = example_namespace(WRAPPER)
     torch.manual_seed(example["SEED"])
     vocab = example["VOCAB"]
     return train_in_one_process(

@@ -4,19 +4,17 @@ used on every step, or called on every step with a zero contribution, trains lik
 PyTorch. Skipped on even steps, it does not: ZeRO-3 hands the step-1 gradient of the skipped
 head to the step-2 update again, and step 3 differs from plain PyTorch."""
 
-import runpy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import assert_same_training, example_namespace
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 SNIPPET = "snippets/zero3/trace_cache.py"
-EXAMPLE = runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+EXAMPLE = example_namespace(SNIPPET)
 INVALIDATE = "Invalidate trace cache @ step 3: expected module 3, but got module 6"
 AUX = ("aux.weight", "aux.bias")
 

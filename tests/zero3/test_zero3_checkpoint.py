@@ -4,14 +4,12 @@ the zero_to_fp32.py script in the checkpoint folder and with save_16bit_model, t
 this one process without DeepSpeed: keys, the tie, the weights, the outputs and the next step,
 all against the same models trained in one process."""
 
-import runpy
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
-from rankrun.reference import train_checkpoint_example_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, train_checkpoint_example_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/zero3/zero3_checkpoint.py"
@@ -22,7 +20,7 @@ SHARED_MESSAGE = ("RuntimeError: Some tensors share memory, this will lead to du
 
 
 def example():
-    return runpy.run_path(str(ROOT / SNIPPET), run_name="reference")
+    return example_namespace(SNIPPET)
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,11 @@ ranks, resumed on 4. load_checkpoint refuses another data-parallel size; ds_to_u
 on a checkpoint of plain SGD (no Adam moments); the consolidated fp32 weights loaded before
 deepspeed.initialize resume exactly: the losses of the uninterrupted run and of one process."""
 
-import runpy
-
 import pytest
 
 from rankrun.pages import output_file
-from rankrun.reference import train_checkpoint_example_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.reference import example_namespace, train_checkpoint_example_in_one_process
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SAVING = "snippets/zero3/zero3_checkpoint.py"
@@ -26,7 +24,7 @@ def uninterrupted():
     """The 2-rank run that writes the checkpoint (the same run as its own test's), and the
     one-process reference."""
     saved = run_snippet(SAVING, 2, call="main", timeout=TIMEOUT).check()
-    ex = runpy.run_path(str(ROOT / SAVING), run_name="reference")
+    ex = example_namespace(SAVING)
     return ex, saved.returned(0)["tied"]["losses"], train_checkpoint_example_in_one_process(ex, "tied")[0]
 
 
