@@ -179,5 +179,12 @@ class RunResult:
         return self.ranks[rank].returned
 
 
+def assert_refused(result: RunResult, message: str) -> None:
+    """The example refused the run before printing anything, with this one error (`Type: message`):
+    what an example does at a rank count on which its printed figures were not checked."""
+    assert not result.ok and result.errors == [message], result.failure_report()
+    assert result.output == "", result.output
+
+
 def tail(text: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
