@@ -57,3 +57,8 @@ def pins(constraints: Path = CONSTRAINTS) -> dict[str, str]:
             name, _, version = line.partition("==")
             found[name.strip()] = version.strip().split(";", 1)[0].strip()
     return found
+
+
+# What a rank raises when a peer went away first (its port number varies from run to run): not
+# a cause of its own where another rank raised something else.
+PEER_WENT_AWAY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rankrun.pages import pages_including
-from rankrun.project import ROOT, without_addresses
+from rankrun.project import PEER_WENT_AWAY, ROOT, without_addresses
 
 # Lines DeepSpeed itself writes to stdout (its logger and its op loader). They
 # are not the example's output, so pages and output files leave them out.
@@ -22,10 +22,6 @@ DEEPSPEED_NOISE = re.compile(
 # The first line of each thread in a faulthandler dump, and the frames of the runner below a snippet.
 STACK_DUMP = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
 HARNESS_FRAME = re.compile(r'^  File "(<frozen runpy>|' + re.escape(str(Path(__file__).resolve().parent)) + r'/rank_main\.py)"')
-
-
-# How gloo fails on a rank whose peer died first: a consequence, not a cause.
-PEER_WENT_AWAY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe")
 
 
 def printed_by_the_example(stdout: str) -> str:

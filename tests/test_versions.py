@@ -140,6 +140,21 @@ def test_the_last_exception_of_a_rank_is_read_from_its_stderr():
     stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
               "TypeError: Signature mismatch between <function f at 0x7f3a60e32b60> and <function g at 0x7f3a57f05260>\n")
     assert matrix.last_exception(stderr) == "TypeError: Signature mismatch between <function f at 0x…> and <function g at 0x…>"
+    # Terminal bold codes (torch's weights-only message has them) are not part of the message.
+    stderr = "Traceback (most recent call last):\n  File \"x.py\"\nUnpicklingError: two options, \x1b[1mdo those\x1b[0m.\n"
+    assert matrix.last_exception(stderr) == "UnpicklingError: two options, do those."
+
+
+def test_a_rank_whose_peer_went_away_first_adds_no_cause():
+    """gloo's message on the rank left behind names a port that changes from run to run."""
+    gone = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4238. "
+            "This is typically caused by a remote worker crashing.")
+    ranks = [{"printed": "", "raised": "AttributeError: no attribute 'embed.weight'", "aborted_at_exit": False},
+             {"printed": "", "raised": gone, "aborted_at_exit": False}]
+    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["raised"] == [
+        "AttributeError: no attribute 'embed.weight'"]
+    ranks[0]["raised"] = None  # the only thing raised: kept
+    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["raised"] == [gone]
 
 
 def unqualified(line: str) -> str:

@@ -36,7 +36,7 @@ import tomllib
 import venv
 from pathlib import Path
 
-from rankrun.project import TORCHRUN, free_port, pins, without_addresses
+from rankrun.project import PEER_WENT_AWAY, TORCHRUN, free_port, pins, without_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "versions" / "releases.toml"
@@ -311,8 +311,12 @@ def last_exception(stderr: str) -> str | None:
         return None
     for line in lines[starts[-1] + 1:]:
         if line and not line[0].isspace():
-            return without_addresses(line.rstrip())
+            return without_addresses(TERMINAL_STYLE.sub("", line.rstrip()))
     return None
+
+
+# Terminal colour and bold codes inside a message (torch's weights-only error has them): not text.
+TERMINAL_STYLE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 # What older releases also print to stdout themselves: their op loader and torch's extension
@@ -407,6 +411,7 @@ def compared(outcome: dict) -> dict:
     rank gets to raise first varies), and whether the command succeeded. An abort at exit after
     a run that raised nothing counts as success here: it is recorded separately (intermittent)."""
     raised = sorted({rank["raised"] for rank in outcome["ranks"] if rank["raised"]})
+    raised = [error for error in raised if not PEER_WENT_AWAY.search(error)] or raised
     aborted = any(rank["aborted_at_exit"] for rank in outcome["ranks"])
     return {"printed": [rank["printed"] for rank in outcome["ranks"]], "raised": raised,
             "ok": outcome["exit"] == 0 or (aborted and not raised and not outcome["timed_out"]),
