@@ -13,6 +13,8 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import re
+import select
 import shutil
 import signal
 import socket
@@ -341,7 +343,26 @@ def start_waiting_session(tmp_path: Path, workers: str, terminal: bool):
     while not waiting.exists():
         assert session.poll() is None and time.monotonic() < deadline, "the test never started"
         time.sleep(0.05)
+    # The other test's result must have reached pytest's terminal before the interrupt, or the
+    # summary cannot count it: under load, a worker's report can arrive seconds after the test.
+    session.early_output = output_until_a_result(session.terminal if terminal else session.stdout.fileno(),
+                                                 session, deadline)
     return session
+
+
+# pytest's first progress mark after collection: a test's result was reported.
+FIRST_RESULT = re.compile(r"2 items.*?(?:^|\s)[.FEsx]+(?:\s|$)", re.S | re.M)
+TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def output_until_a_result(fd: int, session, deadline: float) -> str:
+    seen = b""
+    while not FIRST_RESULT.search(TERMINAL_CODES.sub("", seen.decode(errors="replace"))):
+        assert session.poll() is None and time.monotonic() < deadline, (
+            "no test result reported: " + seen.decode(errors="replace"))
+        if select.select([fd], [], [], 0.1)[0]:
+            seen += os.read(fd, 65536)
+    return seen.decode(errors="replace")
 
 
 def read_terminal(fd: int) -> str:
@@ -372,6 +393,7 @@ def test_sigint_to_tasks_py_lets_pytest_finish_its_session(tmp_path, workers):
         output, _ = session.communicate(timeout=180)
     finally:
         session.kill()
+    output = session.early_output + output
     assert session.returncode == 2, output  # pytest's exit status for an interrupted session
     assert "KeyboardInterrupt" in output and "1 passed" in output, output
     assert "Traceback" not in output, output
@@ -389,7 +411,7 @@ def test_ctrl_c_at_the_terminal_lets_pytest_finish_its_session(tmp_path):
         session.wait(timeout=180)  # generous under load, as above
     finally:
         session.kill()
-    output = read_terminal(session.terminal)
+    output = session.early_output + read_terminal(session.terminal)
     assert session.returncode == 2, output
     assert "KeyboardInterrupt" in output and "1 passed" in output, output
     assert "Traceback" not in output, output
