@@ -1,8 +1,12 @@
 """Every snippet runs with its documented rank count and prints exactly its output file."""
 
+from functools import cache
+
 import pytest
 
-from rankrun.pages import RUN_FRESH, all_snippets, documented_world_size, output_file, runs_before
+from rankrun.pages import (ONLY_RANK_0, RUN_FRESH, all_snippets, doc_pages, documented_world_size, normalise,
+                           output_blocks, output_file, page_lines, page_name, runs_before)
+from rankrun.results import printed_by_the_example
 from rankrun.runner import run_snippet
 
 # Snippets that need more than the runner's default timeout: automatic_detection.py trains
@@ -25,12 +29,44 @@ TIMEOUTS = {
 FRESH = RUN_FRESH
 
 
-@pytest.mark.parametrize("snippet", all_snippets(), ids=str)
-def test_snippet_prints_its_output_file(snippet, expect_output):
+def documented_run(snippet):
+    """The snippet's run at its documented rank count (made once per test session)."""
     # An example that reads what another wrote (a checkpoint) says so in its docstring; that run
     # comes first (in a test session it is made once, and its files stay in the session's TMPDIR).
     for other, ranks in runs_before(snippet):
         run_snippet(other, world_size=ranks, timeout=TIMEOUTS.get(other, 120.0)).check()
-    result = run_snippet(snippet, world_size=documented_world_size(snippet), timeout=TIMEOUTS.get(str(snippet), 120.0),
-                         fresh=str(snippet) in FRESH)
-    expect_output(result, output_file(snippet))
+    return run_snippet(snippet, world_size=documented_world_size(snippet), timeout=TIMEOUTS.get(str(snippet), 120.0),
+                       fresh=str(snippet) in FRESH)
+
+
+@pytest.mark.parametrize("snippet", all_snippets(), ids=str)
+def test_snippet_prints_its_output_file(snippet, expect_output):
+    expect_output(documented_run(snippet), output_file(snippet))
+
+
+@cache
+def output_labels() -> dict:
+    """For each output file shown on a page: (page:line, the label before its block), each time."""
+    labels = {}
+    for page in doc_pages():
+        for line, paragraph, outputs in output_blocks(page_lines(page)):
+            for _, path in outputs:
+                labels.setdefault(path.resolve(), []).append((f"docs/{page_name(page)}:{line}", normalise(paragraph)))
+    return labels
+
+
+def shown_on_several_ranks(snippet) -> bool:
+    return documented_world_size(snippet) > 1 and output_file(snippet).resolve() in output_labels()
+
+
+@pytest.mark.parametrize("snippet", [s for s in all_snippets() if shown_on_several_ranks(s)], ids=str)
+def test_its_output_blocks_say_only_rank_0_prints_exactly_where_it_does(snippet):
+    """A label says "only rank 0 prints" where the documented run's other ranks printed nothing,
+    and only there (the run is the one the test above compares with the output file)."""
+    result = documented_run(snippet)
+    printing = [rank.rank for rank in result.ranks if printed_by_the_example(rank.stdout)]
+    only_rank_0 = printing == [0]
+    wrong = [f"{where}: {label[-100:]!r}" for where, label in output_labels()[output_file(snippet).resolve()]
+             if (ONLY_RANK_0 in label) != only_rank_0]
+    wanted = f"say {ONLY_RANK_0!r}" if only_rank_0 else f"not say {ONLY_RANK_0!r} (ranks {printing} print)"
+    assert not wrong, f"labels of {output_file(snippet).name} must {wanted}:\n" + "\n".join(wrong)
