@@ -7,7 +7,8 @@ files that are not ignored), or against `--changed-base REV`. From it:
   (`tests/<topic>/test_<name>.py`, the mirror), its item of `tests/test_snippets.py`, and the
   checks of every page that includes it;
 - a page (`docs/...md`): the page-level checks of that page (its items of the page checks, the
-  test module named after it) and the strict site build;
+  test module named after it), the strict site build, and the label checks of the output files it
+  shows (`tests/test_snippets.py`, which run those examples);
 - a test module: that module; the site's hooks, templates or the notebook: the site tests;
   the version data: `tests/test_versions.py`;
 - anything the whole suite rests on (the harness, `tasks.py`, the pins, `mkdocs.yml`,
@@ -29,6 +30,8 @@ SITE = ("hooks/", "overrides/", "docs/notebooks/", "docs/assets/")
 # Modules whose tests are parametrized by page or snippet (their item ids name it).
 PAGE_CHECKS = ("tests/test_prose_literals.py", "tests/test_inventory.py", "tests/test_output_blocks.py")
 SITE_TESTS = ("tests/test_site.py", "tests/site/")
+# The item of tests/test_snippets.py that reads a page's output-block labels.
+LABEL_CHECK = "test_its_output_blocks_say_only_rank_0_prints_exactly_where_it_does"
 
 
 def changed_files(root: Path, base: str = "HEAD") -> list[str]:
@@ -47,6 +50,7 @@ class Affected:
     test_files: set[str] = field(default_factory=set)
     snippets: set[str] = field(default_factory=set)  # snippets/<topic>/<name>.py
     pages: set[str] = field(default_factory=set)  # docs/...md
+    labelled: set[str] = field(default_factory=set)  # snippets whose output a changed page shows
     site: bool = False
 
     def selects(self, nodeid: str) -> bool:
@@ -60,7 +64,8 @@ class Affected:
         if any(path == page_test(page) for page in self.pages):
             return True
         if path == "tests/test_snippets.py":
-            return any(snippet in rest for snippet in self.snippets)
+            return (any(snippet in rest for snippet in self.snippets)
+                    or (rest.startswith(LABEL_CHECK) and any(f"[{snippet}]" in rest for snippet in self.labelled)))
         if path in PAGE_CHECKS:
             if "[" not in rest:  # a check of the whole project (the allow-list, the mirror): cheap
                 return bool(self.snippets or self.pages)
@@ -84,8 +89,9 @@ def page_test(page: str) -> str:
     return str(Path("tests", *parts[1:-1], f"test_{parts[-1].replace('-', '_')}.py"))
 
 
-def affected(changed: list[str], pages_including) -> Affected:
-    """What `changed` can affect; `pages_including(path)` names the pages that include a file."""
+def affected(changed: list[str], pages_including, outputs_shown=lambda page: []) -> Affected:
+    """What `changed` can affect; `pages_including(path)` names the pages that include a file,
+    `outputs_shown(page)` the output files (snippets/...out) in a page's output blocks."""
     result = Affected()
     for path in changed:
         if path.startswith(EVERYTHING):
@@ -100,6 +106,7 @@ def affected(changed: list[str], pages_including) -> Affected:
             result.pages.update(pages_including(path))
         elif path.startswith("docs/") and path.endswith(".md"):
             result.pages.add(path)
+            result.labelled.update(str(Path(output).with_suffix(".py")) for output in outputs_shown(path))
         elif path.startswith("tests/") and path.endswith(".py"):
             result.test_files.add(path)
         elif path.startswith("versions/"):

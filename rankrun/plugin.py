@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from rankrun import changed, run_cache
-from rankrun.pages import include_specs, pages_including
+from rankrun.pages import include_specs, output_blocks, page_lines, pages_including
 from rankrun.runner import ROOT, RunResult, close_zygotes
 
 
@@ -111,9 +111,18 @@ def pytest_collection_modifyitems(config, items):
         random.Random(config.order_seed).shuffle(items)
 
 
+def outputs_shown(page: str) -> list[str]:
+    """The output files (snippets/...out, from the repository root) in a page's output blocks."""
+    path = ROOT / page
+    if not path.is_file():  # a deleted page
+        return []
+    return [str(output.resolve().relative_to(ROOT)) for _, _, outputs in output_blocks(page_lines(path))
+            for _, output in outputs]
+
+
 def select_what_the_change_affects(config, items) -> None:
     files = changed.changed_files(ROOT, config.getoption("--changed-base"))
-    what = changed.affected(files, pages_including)
+    what = changed.affected(files, pages_including, outputs_shown)
     keep = [item for item in items if what.selects(item.nodeid)]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep

@@ -1,0 +1,36 @@
+"""`--changed`: which tests a change selects, on this project's own snippets and pages."""
+
+from rankrun.changed import affected
+from rankrun.pages import pages_including
+from rankrun.plugin import outputs_shown
+
+SNIPPET = "snippets/zero3/free_active_param.py"
+PAGE = "docs/zero3/cannot-free.md"  # shows that snippet's output
+LABEL_ITEM = f"tests/test_snippets.py::test_its_output_blocks_say_only_rank_0_prints_exactly_where_it_does[{SNIPPET}]"
+OUTPUT_ITEM = f"tests/test_snippets.py::test_snippet_prints_its_output_file[{SNIPPET}]"
+OTHER_SNIPPET_ITEM = "tests/test_snippets.py::test_snippet_prints_its_output_file[snippets/zero3/module_z3.py]"
+
+
+def test_a_changed_snippet_selects_its_tests_and_its_pages_checks():
+    what = affected([SNIPPET], pages_including, outputs_shown)
+    assert not what.everything
+    assert what.selects("tests/zero3/test_free_active_param.py::test_anything")
+    assert what.selects(OUTPUT_ITEM) and what.selects(LABEL_ITEM)
+    assert not what.selects(OTHER_SNIPPET_ITEM)
+    assert PAGE in what.pages
+    assert what.selects(f"tests/test_output_blocks.py::test_every_output_block_is_labelled_for_what_it_is[{PAGE[5:]}]")
+
+
+def test_a_changed_page_selects_the_label_checks_of_the_outputs_it_shows_only():
+    """A page's labels are checked against the runs of the examples it shows: those items, not
+    the examples' other tests."""
+    assert "snippets/zero3/free_active_param.out" in outputs_shown(PAGE)
+    what = affected([PAGE], pages_including, outputs_shown)
+    assert what.selects(LABEL_ITEM)
+    assert not what.selects(OUTPUT_ITEM)
+    assert not what.selects("tests/zero3/test_free_active_param.py::test_anything")
+    assert what.selects("tests/test_site.py::test_strict_build")
+
+
+def test_the_harness_selects_everything():
+    assert affected(["rankrun/runner.py"], pages_including, outputs_shown).selects(OTHER_SNIPPET_ITEM)
