@@ -21,6 +21,8 @@ from rankrun.project import ROOT
 pytestmark = pytest.mark.slow  # a real Chromium
 
 DOCS = ROOT / "docs"
+
+
 def page_paths() -> list[str]:
     """The address (relative to the site root) of every page, from the sources in docs/."""
     paths = []
