@@ -144,9 +144,9 @@ def include_specs(lines: list[str], preprocessor=None) -> list[tuple[int, str]]:
     return found
 
 
-def snippet_notation(lines: list[str]) -> list[bool]:
+def snippet_notation(lines: list[str], preprocessor=None) -> list[bool]:
     """For each line: is it snippet notation (an include line, a block marker, a path in a block)?"""
-    return snippet_preprocessor().get_syntax_mask(lines)
+    return (preprocessor or snippet_preprocessor()).get_syntax_mask(lines)
 
 
 def unescaped(lines: list[str]) -> list[str]:
@@ -166,9 +166,9 @@ def unescaped(lines: list[str]) -> list[str]:
     return shown
 
 
-def included_files(lines: list[str]) -> list[tuple[str, Path, str]]:
+def included_files(lines: list[str], preprocessor=None) -> list[tuple[str, Path, str]]:
     """(target as written, resolved file, included text) for every include on a page."""
-    pre = snippet_preprocessor()
+    pre = preprocessor or snippet_preprocessor()
     found = []
     for _, spec in include_specs(lines, pre):
         target = pre.parse_snippet_target(spec)
@@ -252,10 +252,10 @@ def code_blocks(markdown_text: str, language: str = "python") -> list[tuple[int,
 ONLY_RANK_0 = "; only rank 0 prints"
 
 
-def fenced_blocks(lines: list[str]):
+def fenced_blocks(lines: list[str], preprocessor=None):
     """(index of the opening fence, index of the closing fence) of each fenced block of a page,
     the fences of the --8<-- notation's own examples (escaped includes) left out."""
-    notation = snippet_notation(lines)
+    notation = snippet_notation(lines, preprocessor)
     index = 0
     while index < len(lines):
         fence = FENCE_LINE.match(lines[index])
@@ -274,10 +274,11 @@ def fenced_blocks(lines: list[str]):
 def output_blocks(lines: list[str]) -> list[tuple[int, str, list[tuple[str, Path]]]]:
     """(line of the fence, the paragraph before it, the output files it includes as (target as
     written, resolved file)) for each fenced block that includes output files."""
-    blocks = []
-    for index, end in fenced_blocks(lines):
+    blocks, pre = [], snippet_preprocessor()  # one preprocessor for the page's blocks
+    for index, end in fenced_blocks(lines, pre):
         # runner transcripts; other data files say what they are
-        outputs = [(spec, path) for spec, path, _ in included_files(lines[index + 1:end]) if path.suffix == ".out"]
+        outputs = [(spec, path) for spec, path, _ in included_files(lines[index + 1:end], pre)
+                   if path.suffix == ".out"]
         if outputs:
             before = index - 1
             while before >= 0 and not lines[before].strip():
@@ -293,5 +294,6 @@ def output_blocks(lines: list[str]) -> list[tuple[int, str, list[tuple[str, Path
 def included_in_code_blocks(lines: list[str]) -> list[tuple[str, str]]:
     """(target as written, included text) of every include inside a fenced code block, which
     renders as code (an include outside one, such as a generated note, renders as Markdown)."""
-    return [(spec, text) for index, end in fenced_blocks(lines)
-            for spec, _, text in included_files(lines[index + 1:end]) if text.strip()]
+    pre = snippet_preprocessor()  # one preprocessor for the page's blocks
+    return [(spec, text) for index, end in fenced_blocks(lines, pre)
+            for spec, _, text in included_files(lines[index + 1:end], pre) if text.strip()]
