@@ -74,9 +74,9 @@ def allow_core_dumps() -> None:
 
 def aborting_thread(backtrace: str) -> str:
     """The frames of the thread that called std::terminate (gdb's text of that thread), or ''."""
-    threads = re.split(r"\n(?=Thread \d+ )", backtrace)
+    threads = re.split(r"\n(?=Thread \d+ )", backtrace)[1:]  # [0]: gdb's header
     for thread in threads:
-        if "std::terminate" in thread or "__GI_abort" in thread or " abort ()" in thread:
+        if "std::terminate" in thread:
             return thread.strip()
     return ""
 
