@@ -4,11 +4,11 @@
         [--burners N] [--stacks DIR] [SNIPPET ...]
 
 Runs each documented command (default: the README's,
-`DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py`) RUNS times
-in a row beside one `python3 -c 'while True: pass'` per core (--burners changes the count), and
-counts the runs that ended in `terminate called without an active exception` (SIGABRT on a
-rank). The ranks run with core dumps on (`ulimit -c unlimited`) in a directory of the run's own, so
-when one aborts, its core is there: the script keeps `gdb -batch -ex "thread apply all bt"` of
+`DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/language_model.py`; N is the
+one in the snippet's docstring) RUNS times, the commands in turn, beside one
+`python3 -c 'while True: pass'` per core (--burners changes the count), and counts the runs that ended in `terminate called without an active exception` (SIGABRT on a
+rank). The ranks run with core dumps on (`ulimit -c unlimited`) in a directory of the run's
+own, so when one aborts, its core is there: the script keeps `gdb -batch -ex "thread apply all bt"` of
 it under --stacks, prints the aborting thread's frames, and deletes the core (a rank's core is
 ~1 GB). Other failures are counted apart. Prints every run with the load average, then per
 command: runs, aborts, other failures, and the load average's range.
@@ -41,6 +41,12 @@ from rankrun.project import free_port  # noqa: E402
 README_COMMAND = "snippets/zero3/language_model.py"
 ABORT_AT_EXIT = "terminate called without an active exception"
 CORE_PATTERN = Path("/proc/sys/kernel/core_pattern")
+
+
+def documented_ranks(snippet: str) -> int:
+    """N of the `torchrun --nproc_per_node N` command in the snippet's docstring (2 if none)."""
+    found = re.search(r"--nproc_per_node (\d+)", (ROOT / snippet).read_text())
+    return int(found.group(1)) if found else 2
 
 
 def load_average() -> float:
@@ -125,6 +131,18 @@ def run_once(snippet: str, nproc: int, timeout: float, run_dir: Path, children: 
     return process.returncode, output, time.monotonic() - started
 
 
+def report(totals: list, burners: int) -> None:
+    print("\n[benchmark] summary (load average: the 1-minute figure, highest of before and after each run)")
+    for snippet, counts in totals:
+        loads = counts["loads"] or [0.0]
+        seconds = sorted(counts["seconds"]) or [0.0]
+        print(f"{snippet}: {counts['aborts']} aborts in {counts['runs']} runs, {counts['failed']} other failures; "
+              f"load {min(loads):.1f}-{max(loads):.1f} (mean {sum(loads) / len(loads):.1f}); "
+              f"median run {seconds[len(seconds) // 2]:.1f} s; {burners} burners")
+        for path in counts["stacks"]:
+            print(f"  stack: {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("snippets", nargs="*", default=[README_COMMAND],
@@ -132,7 +150,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=40, help="runs per command (at most 1000)")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="stop starting runs after this (all commands)")
     parser.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="CPU burners (default: one per core)")
-    parser.add_argument("--nproc", type=int, default=2, help="--nproc_per_node")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="--nproc_per_node (default: the rank count of the snippet's documented command)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--stacks", type=Path, default=Path(tempfile.gettempdir()) / "abort_at_exit_stacks",
                         help="where gdb's stacks of aborted ranks are kept")
@@ -157,20 +176,20 @@ def main() -> int:
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     budget = Budget(args.max_minutes)
-    totals = []
+    args.nproc_of = lambda snippet: args.nproc or documented_ranks(snippet)
+    totals = [(snippet, {"runs": 0, "aborts": 0, "failed": 0, "loads": [], "seconds": [], "stacks": []})
+              for snippet in args.snippets]
     try:
         print(f"[benchmark] {args.burners} burners, {args.runs} runs per command, at most {args.max_minutes:g} min; "
               f"python {sys.version.split()[0]}; stacks in {args.stacks}", flush=True)
-        for snippet in args.snippets:
-            counts = {"runs": 0, "aborts": 0, "failed": 0, "loads": [], "seconds": [], "stacks": []}
-            totals.append((snippet, counts))
-            for index in range(args.runs):
+        # Round robin over the commands: each sees the same load, whatever the others do meanwhile.
+        for index in range(args.runs):
+            for snippet, counts in totals:
                 if budget.left() <= 0:
-                    print("[benchmark] time budget spent", flush=True)
                     break
                 with tempfile.TemporaryDirectory(prefix="abort_at_exit_") as tmp:
                     load_before = load_average()
-                    code, output, seconds = run_once(snippet, args.nproc, min(args.timeout, budget.left() + 60),
+                    code, output, seconds = run_once(snippet, args.nproc_of(snippet), min(args.timeout, budget.left() + 60),
                                                      Path(tmp), children)
                     load = max(load_before, load_average())
                     counts["runs"] += 1
@@ -194,17 +213,12 @@ def main() -> int:
                         counts["failed"] += 1
                         line += "\n" + output[-3000:]
                     print(line, flush=True)
+            if budget.left() <= 0:
+                print("[benchmark] time budget spent", flush=True)
+                break
     finally:
         stop(children + burners)
-    print("\n[benchmark] summary (load average: the 1-minute figure, highest of before and after each run)")
-    for snippet, counts in totals:
-        loads = counts["loads"] or [0.0]
-        seconds = sorted(counts["seconds"]) or [0.0]
-        print(f"{snippet}: {counts['aborts']} aborts in {counts['runs']} runs, {counts['failed']} other failures; "
-              f"load {min(loads):.1f}-{max(loads):.1f} (mean {sum(loads) / len(loads):.1f}); "
-              f"median run {seconds[len(seconds) // 2]:.1f} s; {args.burners} burners")
-        for path in counts["stacks"]:
-            print(f"  stack: {path}")
+        report(totals, args.burners)
     return 0
 
 
