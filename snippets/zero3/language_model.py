@@ -86,7 +86,9 @@ def main():
     return {"losses": losses, "grads": grads}
 
 
+# --8<-- [start:ending]
 if __name__ == "__main__":
     main()
     sys.stdout.flush()  # os._exit does not flush
     os._exit(0)  # no interpreter shutdown, which gloo's threads can abort
+# --8<-- [end:ending]
