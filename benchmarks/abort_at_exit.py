@@ -13,8 +13,10 @@ it under --stacks, prints the aborting thread's frames, and deletes the core (a 
 ~1 GB). Other failures are counted apart. Prints every run with the load average, then per
 command: runs, aborts, other failures, and the load average's range.
 
-Core files need the system's `/proc/sys/kernel/core_pattern` to be a plain file name (`core`,
-as here); the script says so when it is not, and counts aborts from the message all the same.
+A snippet given as python:PATH runs as `python PATH` (a command documented that way, the
+checker's). Core files need the system's `/proc/sys/kernel/core_pattern` to be a plain file
+name (`core`, as here); the script says so when it is not, and counts aborts from the message
+all the same.
 Bounded: at most --runs runs per command and --max-minutes in all; Ctrl-C or SIGTERM stops the
 burners and the running command. Not part of the test suite: rates belong here, not in asserts.
 """
@@ -39,13 +41,14 @@ sys.path.insert(0, str(ROOT))
 from rankrun.project import free_port  # noqa: E402
 
 README_COMMAND = "snippets/zero3/language_model.py"
+PLAIN = "python:"  # python:SNIPPET runs `python SNIPPET` instead of torchrun
 ABORT_AT_EXIT = "terminate called without an active exception"
 CORE_PATTERN = Path("/proc/sys/kernel/core_pattern")
 
 
 def documented_ranks(snippet: str) -> int:
     """N of the `torchrun --nproc_per_node N` command in the snippet's docstring (2 if none)."""
-    found = re.search(r"--nproc_per_node (\d+)", (ROOT / snippet).read_text())
+    found = re.search(r"--nproc_per_node (\d+)", (ROOT / snippet.removeprefix(PLAIN)).read_text())
     return int(found.group(1)) if found else 2
 
 
@@ -59,9 +62,21 @@ def start_burners(count: int) -> list[subprocess.Popen]:
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
-    """End each process's whole session (a torchrun's ranks too), then reap it."""
+    """End each process, everything below it (torchrun starts its ranks in sessions of their
+    own) and its session, then reap it."""
+    import psutil
+
     for process in processes:
         if process.poll() is None:
+            try:
+                below = psutil.Process(process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                below = []
+            for child in below:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -117,7 +132,10 @@ def run_once(snippet: str, nproc: int, timeout: float, run_dir: Path, children: 
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()),
                TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions")))
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), str(ROOT / snippet)]
+    if snippet.startswith(PLAIN):  # a command documented as `python SNIPPET`
+        command = [sys.executable, str(ROOT / snippet[len(PLAIN):])]
+    else:
+        command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), str(ROOT / snippet)]
     started = time.monotonic()
     process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True, preexec_fn=allow_core_dumps)
@@ -146,7 +164,8 @@ def report(totals: list, burners: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("snippets", nargs="*", default=[README_COMMAND],
-                        help="snippet paths from the repository root (default: the README's command)")
+                        help="snippet paths from the repository root (default: the README's command); "
+                             f"{PLAIN}PATH runs `python PATH` instead of torchrun")
     parser.add_argument("--runs", type=int, default=40, help="runs per command (at most 1000)")
     parser.add_argument("--max-minutes", type=float, default=60.0, help="stop starting runs after this (all commands)")
     parser.add_argument("--burners", type=int, default=os.cpu_count() or 1, help="CPU burners (default: one per core)")
