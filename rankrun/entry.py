@@ -2,7 +2,8 @@
 
 A run that calls `main` and a run of the file as `__main__` are one run when the file's main
 block is just `main()`, or `main()` then the examples' ENDING: the rank runs the file as
-`__main__` (exactly as `python file.py`) and keeps what that call returned. Standard library only: the rank process imports it first.
+`__main__` (exactly as `python file.py`) and keeps what that call returned. Standard library
+only: the rank process imports it first.
 """
 
 from __future__ import annotations
