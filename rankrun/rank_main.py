@@ -49,9 +49,13 @@ def describe(error: BaseException) -> dict:
 ENDED_WITHOUT_SHUTDOWN = False
 
 
+class OsExit(SystemExit):
+    """The snippet called os._exit(code): it ends with that code, without an exception."""
+
+
 def os_exit_as_system_exit(rank_pid: int):
-    """What os._exit is while a snippet runs: SystemExit(code), so that the rank still writes
-    its report (and a pool worker answers) before it ends; the real os._exit in a child the
+    """What os._exit is while a snippet runs: OsExit(code), so that the rank still writes its
+    report (and a pool worker answers) before it ends; the real os._exit in a child the
     snippet forked."""
     real_exit = os._exit
 
@@ -60,7 +64,7 @@ def os_exit_as_system_exit(rank_pid: int):
         if os.getpid() != rank_pid:
             real_exit(code)
         ENDED_WITHOUT_SHUTDOWN = True
-        raise SystemExit(code)
+        raise OsExit(code)
 
     return real_exit, _exit
 
@@ -83,6 +87,8 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
             report["returned"] = namespace[function]()
         else:
             runpy.run_path(snippet, run_name="__main__")
+    except OsExit as ended:  # like the real os._exit: its code, no exception, no traceback
+        exit_code = ended.code
     except SystemExit as stop:
         if stop.code not in (None, 0):
             report["exception"] = describe(stop)
