@@ -1,8 +1,9 @@
 """The entry point of a snippet: the function its `if __name__ == "__main__":` block calls.
 
 A run that calls `main` and a run of the file as `__main__` are one run when the file's main
-block is just `main()`: the rank runs the file as `__main__` (exactly as `python file.py`) and
-keeps what that call returned. Standard library only: the rank process imports it first.
+block is just `main()`, or `main()` then the examples' ENDING: the rank runs the file as
+`__main__` (exactly as `python file.py`) and keeps what that call returned. Standard library
+only: the rank process imports it first.
 """
 
 from __future__ import annotations
@@ -11,6 +12,31 @@ import ast
 from pathlib import Path
 
 RETURNED = "__rankrun_returned__"
+
+# How an example whose ranks do collectives ends, after its main block's call (docs/versions.md,
+# "An abort at exit"): gloo's threads can outlive destroy_process_group(), and one that gives
+# back its last work while Python shuts down aborts the process; os._exit skips the shutdown.
+ENDING = ("sys.stdout.flush()", "os._exit(0)")
+
+
+def _ends_without_shutdown(statements: list[ast.stmt]) -> bool:
+    """The last two statements are `sys.stdout.flush()` and `os._exit(...)`."""
+    if len(statements) < 2:
+        return False
+    flush, leave = statements[-2:]
+    return (ast.unparse(flush) == ENDING[0] and isinstance(leave, ast.Expr) and isinstance(leave.value, ast.Call)
+            and ast.unparse(leave.value.func) == "os._exit")
+
+
+def main_block(tree: ast.Module) -> ast.If | None:
+    """The file's `if __name__ == "__main__":` block, or None."""
+    return next((node for node in tree.body if _is_main_guard(node)), None)
+
+
+def ends_without_shutdown(path: Path) -> bool:
+    """Whether the file's main block ends with the examples' ending (ENDING, any exit code)."""
+    block = main_block(ast.parse(Path(path).read_text(), str(path)))
+    return block is not None and _ends_without_shutdown(block.body)
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
@@ -23,7 +49,10 @@ def _is_main_guard(node: ast.stmt) -> bool:
 
 def _guarded_call(tree: ast.Module) -> tuple[ast.If, str] | None:
     for node in tree.body:
-        if _is_main_guard(node) and len(node.body) == 1 and isinstance(node.body[0], ast.Expr):
+        if not _is_main_guard(node):
+            continue
+        ending = [ast.unparse(statement) for statement in node.body[1:]]
+        if ending in ([], list(ENDING)) and isinstance(node.body[0], ast.Expr):
             call = node.body[0].value
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args and not call.keywords:
                 return node, call.func.id

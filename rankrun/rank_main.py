@@ -44,6 +44,31 @@ def describe(error: BaseException) -> dict:
     }
 
 
+# Set when the snippet ended the way the examples end (os._exit after main(), see
+# docs/versions.md, "An abort at exit"): a fresh rank then ends without Python's shutdown too.
+ENDED_WITHOUT_SHUTDOWN = False
+
+
+class OsExit(SystemExit):
+    """The snippet called os._exit(code): it ends with that code, without an exception."""
+
+
+def os_exit_as_system_exit(rank_pid: int):
+    """What os._exit is while a snippet runs: OsExit(code), so that the rank still writes its
+    report (and a pool worker answers) before it ends; the real os._exit in a child the
+    snippet forked."""
+    real_exit = os._exit
+
+    def _exit(code):
+        global ENDED_WITHOUT_SHUTDOWN
+        if os.getpid() != rank_pid:
+            real_exit(code)
+        ENDED_WITHOUT_SHUTDOWN = True
+        raise OsExit(code)
+
+    return real_exit, _exit
+
+
 def run_one(snippet: str, report_file: str, function: str = "") -> int:
     """Run one snippet in this process; write its report; return the exit code."""
     # Look like `python SNIPPET`: argv and the import path start at the snippet.
@@ -52,6 +77,7 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
     report = {"exception": None, "returned": None}
     exit_code = 0
     rank_pid = os.getpid()
+    real_exit, os._exit = os_exit_as_system_exit(rank_pid)
     try:
         as_main = main_code_keeping(snippet, function) if function else None
         if as_main is not None:
@@ -61,6 +87,8 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
             report["returned"] = namespace[function]()
         else:
             runpy.run_path(snippet, run_name="__main__")
+    except OsExit as ended:  # like the real os._exit: its code, no exception, no traceback
+        exit_code = ended.code
     except SystemExit as stop:
         if stop.code not in (None, 0):
             report["exception"] = describe(stop)
@@ -70,6 +98,7 @@ def run_one(snippet: str, report_file: str, function: str = "") -> int:
         traceback.print_exc()
         exit_code = 1
     finally:
+        os._exit = real_exit
         sys.stdout.flush()
         sys.stderr.flush()
         if os.getpid() != rank_pid:
@@ -98,6 +127,11 @@ def run_as_main(code, snippet: str):
     sys.modules["__main__"] = module
     try:
         exec(code, module.__dict__)
+    except SystemExit as stop:
+        # main() returned, then the main block ended the process (os._exit(0), as the
+        # examples end): the run succeeded and main's value is kept.
+        if stop.code not in (None, 0) or RETURNED not in module.__dict__:
+            raise
     finally:
         if previous is not None:
             sys.modules["__main__"] = previous
@@ -382,7 +416,13 @@ def main() -> int:
     dump_stacks_on_request()
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
-    return measured_run(snippet_coverage(), snippet, report_file, function)
+    code = measured_run(snippet_coverage(), snippet, report_file, function)
+    if ENDED_WITHOUT_SHUTDOWN:
+        # As the snippet does under torchrun: no interpreter shutdown for gloo's threads to abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ children, before `run_snippet` returns; the next run starts a new pool.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ from rankrun.results import DEEPSPEED_NOISE, RankResult, RunResult, SnippetFaile
 
 # run_snippet on top of the layers below it (project, results, launch, pool, run_cache), and the
 # names tests and hooks use from them.
-__all__ = ["ABORT_AT_EXIT", "AbortedAtExit", "check_torchrun", "run_torchrun", "DEEPSPEED_NOISE", "ROOT", "SNIPPETS", "RankPool", "RankResult", "RunResult", "SnippetFailed",
+__all__ = ["check_torchrun", "run_torchrun", "DEEPSPEED_NOISE", "ROOT", "SNIPPETS", "RankPool", "RankResult", "RunResult", "SnippetFailed",
            "close_pools", "close_zygotes", "find_project_root", "free_port", "printed_by_the_example",
            "process_exists", "resolve_snippet", "run_fresh", "run_snippet", "torchrun_environment", "zygote_pids"]
 
@@ -123,34 +124,52 @@ def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, en
     return result
 
 
-# What a rank prints when it dies in std::terminate at interpreter exit (see docs/versions.md,
-# "An abort at exit"): after all its output, so the run printed everything and then failed.
-ABORT_AT_EXIT = "terminate called without an active exception"
-
-
-class AbortedAtExit(AssertionError):
-    """A torchrun run printed all its output, then a rank aborted in std::terminate at exit."""
+# C++ stacks of a rank that gets a fatal signal at exit (see the sitecustomize.py there).
+STACKS_AT_ABORT = Path(__file__).resolve().parent / "stacks_at_abort"
+# The first line of c10's report of one thread: `SIGABRT(6), PID: 123, Thread 456: `.
+SIGNAL_REPORT = re.compile(r"^\w+\(\d+\), PID: \d+, Thread \d+:")
 
 
 def run_torchrun(snippet: str, nproc: int = 2, timeout: float = 600.0) -> subprocess.CompletedProcess:
     """The documented command `torchrun --nproc_per_node N SNIPPET`, run for real as a reader
     would (torchrun next to this interpreter, DS_ACCELERATOR=cpu, no OMP_NUM_THREADS of ours),
-    once per test session however many tests look at it (rankrun.run_cache)."""
+    once per test session however many tests look at it (rankrun.run_cache). A rank that gets
+    a fatal signal as it exits prints its C++ stacks (STACKS_AT_ABORT), for check_torchrun."""
     def run() -> subprocess.CompletedProcess:
         env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-        env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()))
+        env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(STACKS_AT_ABORT), env.get("PYTHONPATH")])))
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), snippet]
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
     return run_cache.get_or_run(run_cache.run_key(snippet, nproc, None, None, True, kind="torchrun"), run, timeout)
 
 
+def aborted_thread(stderr: str) -> str:
+    """c10's report of the thread a fatal signal hit first in a torchrun run's stderr (the one
+    in std::terminate or abort, when one is), or ''."""
+    reports: list[list[str]] = []
+    for line in stderr.splitlines():
+        if SIGNAL_REPORT.match(line):
+            reports.append([line.rstrip()])
+        elif reports and reports[-1][-1] and line.strip():
+            reports[-1].append(line.rstrip())
+        elif reports:
+            reports[-1].append("")  # a blank line ends a report
+    reports = ["\n".join(report).strip() for report in reports]
+    aborting = [report for report in reports if "std::terminate" in report or "abort" in report]
+    return (aborting or reports or [""])[0]
+
+
 def check_torchrun(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    """Raise unless the torchrun run succeeded; an abort at exit is reported as what it is."""
-    if done.returncode != 0 and ABORT_AT_EXIT in done.stderr:
-        raise AbortedAtExit(
-            f"`{' '.join(done.args[1:])}` printed its output, then a rank ended in std::terminate at exit "
-            f"({ABORT_AT_EXIT!r}, exit {done.returncode}): the known abort of docs/versions.md "
-            f"(\"An abort at exit\"), not a failure of the example.\n{done.stderr[-2000:]}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    """Raise unless the torchrun run succeeded. A rank killed by a signal (an abort at exit:
+    `terminate called without an active exception`) is a failure like any other; the message
+    shows the stack c10 printed for the thread it hit."""
+    if done.returncode != 0:
+        stack = aborted_thread(done.stderr)
+        command = " ".join(["torchrun", *done.args[1:]])
+        raise AssertionError(
+            f"`{command}` exited with {done.returncode}"
+            + (f"; a rank got a fatal signal, this thread first:\n{stack}\n" if stack else "\n")
+            + f"--- the end of its stderr ---\n{done.stderr[-3000:]}")
     return done

@@ -6,9 +6,11 @@ tests/test_snippets.py runs it with) and has an output file.
 """
 
 import re
+from pathlib import Path
 
 import pytest
 
+from rankrun.entry import ENDING, ends_without_shutdown
 from rankrun.pages import DOCS, TORCHRUN, all_snippets, documented_world_size, includes, output_file
 from rankrun.runner import ROOT, SNIPPETS
 
@@ -214,3 +216,43 @@ def test_no_test_module_imports_another():
     assert imported_test_modules("from tests.site.conftest import x") == ["tests.site.conftest"]
     assert imported_test_modules("from rankrun.site_build import strict_build") == []
     assert imported_test_modules('runpy.run_path(str(ROOT / "tests/zero3/test_x.py"))') == ["tests/zero3/test_x.py"]
+
+
+# A snippet whose ranks do collectives: it starts a process group itself or through DeepSpeed,
+# Accelerate, Trainer or Megatron, or uses torch.distributed.
+COLLECTIVES = re.compile(r"init_distributed|init_process_group|deepspeed\.(initialize|comm|zero\.Init)|PartialState"
+                         r"|\bTrainer\b|Accelerator\(|torch\.distributed|parallel_state")
+THE_ENDING = 'if __name__ == "__main__":\n    main()\n' + "".join(f"    {line}\n" for line in ENDING)
+
+
+def snippets_with_collectives():
+    return [s for s in snippet_files() if s.suffix == ".py" and COLLECTIVES.search((ROOT / s).read_text())]
+
+
+def test_the_examples_with_collectives_are_found():
+    assert len(snippets_with_collectives()) >= 50
+    assert Path("snippets/zero3/language_model.py") in snippets_with_collectives()
+
+
+@pytest.mark.parametrize("snippet_file", snippets_with_collectives(), ids=str)
+def test_every_example_with_collectives_ends_without_python_shutdown(snippet_file):
+    """gloo's worker threads outlive destroy_process_group() while DeepSpeed keeps the groups
+    referenced; one that gives back its last work while Python shuts down aborts the process
+    (docs/versions.md, "An abort at exit"). So the main block ends with os._exit."""
+    assert ends_without_shutdown(ROOT / snippet_file), (
+        f"{snippet_file} does collectives, and its main block does not end the way the examples end:\n"
+        f"{THE_ENDING}(another exit code in os._exit(...) is fine; see docs/versions.md, \"An abort at exit\")")
+
+
+@pytest.mark.parametrize("main_block, ends", [
+    ("    main()\n", False),
+    ("    main()\n    sys.stdout.flush()\n    os._exit(0)\n", True),
+    ("    code = main()\n    sys.stdout.flush()\n    os._exit(code)\n", True),
+    ("    main()\n    os._exit(0)\n", False),  # its buffered output would be lost
+    ("    main()\n    os._exit(0)\n    sys.stdout.flush()\n", False),
+    ("    main()\n    sys.stdout.flush()\n    sys.exit(0)\n", False),
+])
+def test_the_ending_check_tells_the_ending_from_others(tmp_path, main_block, ends):
+    example = tmp_path / "example.py"
+    example.write_text("import os\nimport sys\n\n\ndef main():\n    pass\n\n\nif __name__ == \"__main__\":\n" + main_block)
+    assert ends_without_shutdown(example) is ends

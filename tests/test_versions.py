@@ -124,12 +124,12 @@ def test_differences_and_spans():
     assert matrix.span(["0.14.5", "0.15.4", "0.16.4"], ran) == "0.14.5 to 0.16.4"
 
 
-def test_an_abort_at_exit_is_recorded_not_counted_as_a_failure():
+def test_an_abort_at_exit_is_a_failed_command():
     ranks = [{"printed": "done\n", "raised": None, "aborted_at_exit": True},
              {"printed": "", "raised": None, "aborted_at_exit": False}]
-    assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["ok"] is True
-    ranks[1]["raised"] = "RuntimeError: boom"
     assert matrix.compared({"ranks": ranks, "exit": 1, "timed_out": False})["ok"] is False
+    ranks[0]["aborted_at_exit"] = False
+    assert matrix.compared({"ranks": ranks, "exit": 0, "timed_out": False})["ok"] is True
 
 
 def test_the_last_exception_of_a_rank_is_read_from_its_stderr():

@@ -5,6 +5,9 @@ Run on CPU (3 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 3 snippets/pipeline/deepspeed_three_way.py
 On GPUs, drop DS_ACCELERATOR=cpu (not run here).
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -101,3 +104,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

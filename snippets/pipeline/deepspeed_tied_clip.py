@@ -4,6 +4,9 @@ Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/deepspeed_tied_clip.py
 On GPUs, drop DS_ACCELERATOR=cpu (not run here).
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -109,3 +112,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

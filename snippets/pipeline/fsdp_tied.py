@@ -6,6 +6,7 @@ Run on CPU (2 processes):
 Run and tested here on CPU only; not run on GPUs.
 """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -96,3 +97,5 @@ def tie_in_one_group():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

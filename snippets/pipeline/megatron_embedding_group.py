@@ -5,6 +5,9 @@ Run on CPU (2 processes, one per stage):
 (DS_ACCELERATOR is not used here; the command is the one of the DeepSpeed examples.)
 Run and tested here on CPU only, over gloo, with megatron-core 0.16.1; not run on GPUs.
 """
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -187,3 +190,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

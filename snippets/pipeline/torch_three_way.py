@@ -7,6 +7,7 @@ Run on CPU (3 processes, one per stage):
 Run and tested here on CPU only; not run on GPUs.
 """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -120,3 +121,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -7,6 +7,7 @@ Run and tested here on CPU only; not run on GPUs.
 """
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -129,3 +130,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

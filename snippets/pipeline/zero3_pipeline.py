@@ -4,6 +4,9 @@ Run on CPU (2 processes, one per stage):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/zero3_pipeline.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.nn.functional as F
@@ -42,3 +45,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

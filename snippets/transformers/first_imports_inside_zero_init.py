@@ -133,3 +133,5 @@ if __name__ == "__main__":
         run_case(sys.argv[1])  # pragma: no cover - the fresh process of one case
     else:
         main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

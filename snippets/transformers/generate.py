@@ -6,7 +6,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/generate.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
+import os
 import shutil
+import sys
 import tempfile
 
 import deepspeed
@@ -84,3 +86,5 @@ def unsynced():  # pragma: no cover (it hangs on purpose; killed ranks write no 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -7,6 +7,9 @@ Run on CPU (2 processes):
 Run and tested here on CPU only; not run on GPUs.
 """
 # --8<-- [start:imports]
+import os
+import sys
+
 import deepspeed
 import torch
 # Before zero.Init, which replaces torch.Tensor.__new__ while it is active:
@@ -32,3 +35,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

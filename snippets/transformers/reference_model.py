@@ -8,6 +8,7 @@ On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import os
 import shutil
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -181,3 +182,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

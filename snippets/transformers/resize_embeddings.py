@@ -5,7 +5,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/resize_embeddings.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
+import os
 import shutil
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -156,3 +158,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -10,6 +10,7 @@ directory; load them in one process with LlamaForCausalLM.from_pretrained(folder
 import logging
 import os
 import re
+import sys
 import tempfile
 
 import accelerate
@@ -198,3 +199,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

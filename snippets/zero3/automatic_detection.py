@@ -6,6 +6,8 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/automatic_detection.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import os
+import sys
 from types import SimpleNamespace
 
 import deepspeed
@@ -343,3 +345,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

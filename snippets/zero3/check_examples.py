@@ -6,6 +6,7 @@ Run them all (one process, CPU):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 snippets/zero3/check_examples.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -127,3 +128,5 @@ def check_tables():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

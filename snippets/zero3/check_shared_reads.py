@@ -464,5 +464,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if code := main():
-        sys.exit(code)
+    code = main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(code)  # no interpreter shutdown, which gloo's threads can abort

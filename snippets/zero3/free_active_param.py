@@ -6,6 +6,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/free_active_param.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.nn.functional as F
@@ -110,3 +113,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -7,6 +7,8 @@ Run and tested here on CPU only; not run on GPUs.
 import contextlib
 import logging
 import logging.handlers
+import os
+import sys
 import warnings
 
 import deepspeed
@@ -149,3 +151,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -7,6 +7,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/init_in_constructor.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import os
+import sys
+
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -81,3 +84,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -5,6 +5,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/module_z3.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.nn.functional as F
@@ -119,3 +122,5 @@ def main_without_registration():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort
