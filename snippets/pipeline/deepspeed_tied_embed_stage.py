@@ -150,7 +150,7 @@ def seeded_by_deepspeed():
     # takes no numpy integers (Python 3.11 and later).
     PipelineModule(LAYERS, num_stages=STAGES, loss_fn=cross_entropy, seed_layers=True,
                    base_seed=SEED, partition_method="type:embed")
-    dist.destroy_process_group()  # not reached
+    dist.destroy_process_group()  # never reached: the line above raises
 # --8<-- [end:seeded]
 
 
