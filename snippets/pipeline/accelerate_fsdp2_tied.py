@@ -11,7 +11,9 @@ Run and tested here on CPU only; not run on GPUs.
 """
 import contextlib
 import io
+import os
 import shutil
+import sys
 import tempfile
 
 import torch
@@ -184,3 +186,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

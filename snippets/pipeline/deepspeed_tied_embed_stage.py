@@ -7,6 +7,9 @@ Run on CPU (2 processes: 2 stages; 4 processes: 2 stages x 2 data-parallel repli
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 snippets/pipeline/deepspeed_tied_embed_stage.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -156,3 +159,5 @@ def seeded_by_deepspeed():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort
