@@ -11,7 +11,6 @@ import os
 import tempfile
 import warnings
 
-import deepspeed
 import peft
 import safetensors.torch
 import torch
@@ -74,7 +73,7 @@ def main():
     fresh_accelerate_state()
     transformers.integrations.deepspeed.unset_hf_deepspeed_config()  # one process from here
     if rank == 0:
-        print(f"peft {peft.__version__}, deepspeed {deepspeed.__version__}")
+        print(f"peft {peft.__version__}")  # the DeepSpeed release: the page's stamp or note
         for name, got in results.items():
             print(f"modules_to_save={got['modules']}:")
             if got["error"]:
