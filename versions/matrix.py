@@ -732,6 +732,15 @@ def render_versions_page(data: dict, config: dict) -> str:
         out.append(f"Run on {where} only (not run on the other releases): "
                    f"{', '.join(code(name.rsplit('/', 1)[1]) for name in names)}.")
         out.append("")
+    with_packages: dict[str, list[str]] = {}
+    for version in all_versions:
+        for key in data["releases"].get(version, {}).get("with_packages", {}):
+            packages = ", ".join(f"{name} {wanted}" for name, wanted in parse_command(key)[0].items())
+            with_packages.setdefault(example_name(key), []).append(f"{version} with {packages}")
+    for path, runs in with_packages.items():
+        out.append(f"Run with other package versions, installed over the release's environment: "
+                   f"{code(path.rsplit('/', 1)[1])} on {'; '.join(runs)} (what differs is in its note).")
+        out.append("")
     by_command = grouped(data, config)
     if not any(groups for groups in by_command.values()):
         out.append(f"Every release that runs prints the same as {pinned} in every example of the matrix.")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import deepspeed
 import torch
-import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,9 +71,9 @@ def train(engine):
     tokens = batch()[rank::world].to(engine.device)
     losses, grads = [], []
     for _ in range(STEPS):
-        logits = engine(tokens).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                               tokens[:, 1:].reshape(-1))
+        # The model's own loss, as Trainer computes it: it reshapes the logits by
+        # config.vocab_size (that is where a vocab_size of 0 fails).
+        loss = engine(tokens, labels=tokens).loss
         engine.backward(loss)
         grads.append({name: safe_get_full_grad(p).clone()
                       for name, p in engine.module.named_parameters()})

@@ -10,7 +10,6 @@ On GPUs, drop DS_ACCELERATOR=cpu (not run here).
 """
 import contextlib
 import io
-import logging
 import os
 import re
 import tempfile
@@ -25,8 +24,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import LlamaForCausalLM, PrinterCallback, Trainer
 
-from tied_causal_lm import STEPS, SEED, error_text, save_tiny_llama, token_dataset
-from tied_causal_lm import training_arguments
+from tied_causal_lm import STEPS, SEED, Warnings, error_text, save_tiny_llama
+from tied_causal_lm import token_dataset, training_arguments
 from tiny_t5 import fresh_accelerate_state
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
@@ -209,20 +208,9 @@ REPORT_LINE = re.compile(r"(\S+) \| (MISMATCH \| Reinit due to size mismatch - c
                          r"torch.Size\(\[0\]\) vs model:torch.Size\(\[[\d, ]+\]\))")
 
 
-class Logged(logging.Handler):
-    """What Transformers logs as warnings or errors while it loads (its mismatch report)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(" ".join(record.getMessage().split()))
-
-
 def loaded(row, load, want):
     """Load a save in this process: its logits against the trained model's, or the error."""
-    got, logged = {}, Logged()
+    got, logged = {}, Warnings()  # Transformers' load report
     logger = transformers.logging.get_logger("transformers")
     logger.addHandler(logged)
     error = error_text(lambda: got.update(model=load()))
