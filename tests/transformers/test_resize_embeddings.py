@@ -1,7 +1,8 @@
 """snippets/transformers/resize_embeddings.py: resize_token_embeddings on a tied Llama under
 ZeRO-3 on 2 and 4 ranks. Before deepspeed.initialize (inside or outside zero.Init, with
 HfDeepSpeedConfig alive) the head stays tied, the old rows are unchanged, and training equals
-the same resize in one process; the other orders fail with the exact messages."""
+the same resize in one process; so do an untied head and pad_to_multiple_of; ranks seeded
+differently end with rank 0's added rows; the other orders fail with the exact messages."""
 
 import pytest
 import torch
