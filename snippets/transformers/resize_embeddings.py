@@ -15,7 +15,10 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.integrations import HfDeepSpeedConfig
+try:
+    from transformers.integrations import HfDeepSpeedConfig
+except ImportError:  # pragma: no cover - before Transformers 4.32 (the version matrix's 4.31.0)
+    from transformers.deepspeed import HfDeepSpeedConfig
 
 VOCAB, ADDED, SEQ, BATCH, STEPS, SEED, LR = 32, 4, 6, 8, 3, 0, 0.1
 PAD_TO = 8  # 36 rows padded to 40

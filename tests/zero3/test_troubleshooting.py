@@ -59,6 +59,7 @@ SOURCES = {
     "'active_sub_modules': {42}, 'ds_tensor.shape': torch.Size([0])}": ["../versions/peft_modules_to_save.md"],
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
+    "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
 }
 
 
