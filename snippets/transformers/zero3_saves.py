@@ -154,32 +154,26 @@ def tensors_in(folder):
 
 def recover_full(directory, checkpoint):
     """The full model from the DeepSpeed checkpoint save_model wrote with the setting off."""
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its progress
-        # --8<-- [start:recover_full]
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint)
-        # --8<-- [end:recover_full]
-    # --8<-- [start:recover_full_load]
+    # --8<-- [start:recover_full]
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint)
     model = LlamaForCausalLM.from_pretrained(directory)  # one process: not partitioned
     model.load_state_dict(state_dict)
     recovered = tempfile.mkdtemp(prefix="recovered-")
     model.save_pretrained(recovered)
-    # --8<-- [end:recover_full_load]
+    # --8<-- [end:recover_full]
     return recovered
 
 
 def recover_adapter(directory, checkpoint):
     """An adapter from the DeepSpeed checkpoint Trainer wrote at the last step."""
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its progress
-        # --8<-- [start:recover_adapter]
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint)  # trained tensors
-        # --8<-- [end:recover_adapter]
-    # --8<-- [start:recover_adapter_load]
+    # --8<-- [start:recover_adapter]
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint)  # trained tensors
     model = get_peft_model(LlamaForCausalLM.from_pretrained(directory), LoraConfig(**LORA))
     loaded = model.load_state_dict(state_dict, strict=False)
     assert not loaded.unexpected_keys, loaded.unexpected_keys
     recovered = tempfile.mkdtemp(prefix="recovered-adapter-")
     model.save_pretrained(recovered)
-    # --8<-- [end:recover_adapter_load]
+    # --8<-- [end:recover_adapter]
     return recovered, sorted(state_dict)
 
 
@@ -258,9 +252,9 @@ def main():
         case["inputs"] = inputs
     if rank() == 0:
         off = results["full, gather off"]["save_model"]["folder"]
-        results["full, gather off"]["recovered"] = {"folder": recover_full(
-            directory, off)}
-        folder, keys = recover_adapter(directory, results["adapter"]["checkpoint"])
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its progress
+            results["full, gather off"]["recovered"] = {"folder": recover_full(directory, off)}
+            folder, keys = recover_adapter(directory, results["adapter"]["checkpoint"])
         results["adapter"]["recovered"] = {"folder": folder, "checkpoint keys": keys}
         for case, rows in results.items():
             load = load_adapter if case.startswith("adapter") else load_full
@@ -353,7 +347,7 @@ def print_table(results):
     print()
     for model, names in empty_names.items():
         print(f"The tensors of size 0 ({model}): {', '.join(code(n) for n in names)}.")
-    print()
+        print()
     report = results["full"]["save_pretrained"]["report"]
     for index, message in enumerate(notes):
         mark = chr(ord("a") + index)
