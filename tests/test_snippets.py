@@ -22,6 +22,8 @@ TIMEOUTS = {
     "snippets/transformers/hf_config_zero_init.py": 600.0,
     # Ten new interpreters of its own, most of them importing Transformers.
     "snippets/transformers/first_imports_inside_zero_init.py": 900.0,
+    # Four Trainer runs, each followed by every save, then every load, in one launch.
+    "snippets/transformers/zero3_saves.py": 600.0,
 }
 
 # Snippets whose outcome depends on what the process imported before them: the warm pool's

@@ -348,3 +348,34 @@ def test_an_example_planned_on_some_releases_runs_there_and_on_the_pinned_one_on
     with pytest.raises(SystemExit, match=r"^versions/releases.toml: snippets/zero3/zero3_checkpoint.py "
                                          r"names releases it does not list: 0.99.0$"):
         matrix.example_entries(wrong)
+
+
+def test_runs_with_other_package_versions_are_planned_keyed_and_rendered():
+    """An entry with `packages` is not a plain example (the pinned row's fresh-run test does not
+    run it in this environment); it is planned on its releases (the pinned one by default), its
+    key names the versions, it ran wherever planned on a release that ran, and the example's
+    note names the versions in bold."""
+    config = {**CONFIG, "examples": [
+        "snippets/zero3/module_z3.py",
+        {"path": "snippets/zero3/module_z3.py", "packages": {"peft": "0.8.2", "accelerate": "1.0.0"}},
+        {"path": "snippets/zero3/module_z3.py", "releases": ["0.16.4"], "packages": {"peft": "0.9.0"}}]}
+    assert matrix.commands(config) == ["torchrun --nproc_per_node 2 snippets/zero3/module_z3.py"]
+    key = "accelerate==1.0.0 peft==0.8.2 torchrun --nproc_per_node 2 snippets/zero3/module_z3.py"
+    assert matrix.package_commands_for(PINNED, config) == [key]
+    assert matrix.package_commands_for("0.16.4", config) == [
+        "peft==0.9.0 torchrun --nproc_per_node 2 snippets/zero3/module_z3.py"]
+    assert matrix.parse_command(key) == ({"accelerate": "1.0.0", "peft": "0.8.2"}, 2,
+                                         "snippets/zero3/module_z3.py")
+    assert matrix.plain_command(key) == matrix.commands(config)[0]
+    assert matrix.example_name(key) == "snippets/zero3/module_z3.py"
+    assert matrix.overlay_dir(PINNED, {"peft": "0.8.2"}).name == f"{PINNED}+peft-0.8.2"
+    for release, row in DATA["releases"].items():
+        if row["probe"]["ok"] and row.get("examples"):
+            planned = matrix.package_commands_for(release, CONFIG)
+            assert sorted(row.get("with_packages", {})) == sorted(planned), release
+    notes = matrix.render(DATA, CONFIG)
+    for release, row in DATA["releases"].items():
+        for key in row.get("with_packages", {}):
+            packages, _, path = matrix.parse_command(key)
+            label = f"**{release} with " + ", ".join(f"{n} {v}" for n, v in packages.items()) + "**"
+            assert label in notes[matrix.note_name(path)], (release, key)

@@ -83,6 +83,8 @@ def example_entries(config: dict | None = None) -> list[tuple[str, list[str] | N
     config = config or load_releases()
     entries, seen = [], set()
     for item in config["examples"]:
+        if isinstance(item, dict) and "packages" in item:
+            continue  # a run with other package versions: package_entries()
         pattern, only = (item, None) if isinstance(item, str) else (item["path"], list(item["releases"]))
         unknown = [v for v in only or [] if v not in config["releases"]]
         if unknown:
@@ -131,6 +133,97 @@ def commands(config: dict | None = None) -> list[str]:
     """The matrix's keys: `torchrun --nproc_per_node N snippets/...py`, one per documented command."""
     return [f"torchrun --nproc_per_node {ranks} {path}"
             for path in example_files(config) for ranks, path in documented_commands(path)]
+
+
+# --- runs with other package versions -------------------------------------------------------
+# An example entry may carry `packages = { peft = "0.8.2" }`: those versions are installed over
+# the release's environment (`pip install --no-deps --target`, an overlay folder put first on
+# PYTHONPATH), keyed by (release, packages); the release's own environment is left as it is, and
+# its Python, torch and compiled op are shared. The results are stored per release under
+# "with_packages", keyed by the command with the versions in front:
+# `peft==0.8.2 torchrun --nproc_per_node 2 snippets/...py`.
+
+def package_entries(config: dict | None = None) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(path, releases, packages) for every entry with `packages`; `releases` defaults to the
+    pinned release."""
+    config = config or load_releases()
+    entries = []
+    for item in config["examples"]:
+        if not (isinstance(item, dict) and "packages" in item):
+            continue
+        only = list(item.get("releases", [config["pinned"]]))
+        unknown = [v for v in only if v not in config["releases"]]
+        if unknown:
+            raise SystemExit(f"versions/releases.toml: {item['path']} names releases it does not list: "
+                             f"{', '.join(unknown)}")
+        packages = {str(name): str(wanted) for name, wanted in sorted(item["packages"].items())}
+        for path in sorted(glob.glob(item["path"], root_dir=ROOT)):
+            entries.append((path, only, packages))
+    return entries
+
+
+def packages_prefix(packages: dict[str, str]) -> str:
+    return " ".join(f"{name}=={wanted}" for name, wanted in sorted(packages.items()))
+
+
+def package_commands(config: dict | None = None) -> list[str]:
+    """`peft==0.8.2 torchrun --nproc_per_node N snippets/...py` for every entry with packages."""
+    found = []
+    for path, _, packages in package_entries(config):
+        for ranks, _ in documented_commands(path):
+            key = f"{packages_prefix(packages)} torchrun --nproc_per_node {ranks} {path}"
+            if key not in found:
+                found.append(key)
+    return found
+
+
+def parse_command(key: str) -> tuple[dict[str, str], int, str]:
+    """(packages, ranks, path) of a matrix key, plain or with packages in front."""
+    head, _, rest = key.partition("torchrun --nproc_per_node ")
+    ranks, path = rest.split(" ", 1)
+    packages = dict(part.split("==", 1) for part in head.split())
+    return packages, int(ranks), path
+
+
+def plain_command(key: str) -> str:
+    """The key without its packages: the pinned stack's run of the same command."""
+    return "torchrun --nproc_per_node " + key.partition("torchrun --nproc_per_node ")[2]
+
+
+def package_commands_for(version: str, config: dict | None = None) -> list[str]:
+    config = config or load_releases()
+    planned = {}
+    for path, only, packages in package_entries(config):
+        if version in only:
+            planned.setdefault(packages_prefix(packages), set()).add(path)
+    return [key for key in package_commands(config)
+            if example_name(key) in planned.get(packages_prefix(parse_command(key)[0]), ())]
+
+
+def overlay_dir(version: str, packages: dict[str, str]) -> Path:
+    slug = "_".join(f"{normalized(name)}-{wanted}" for name, wanted in sorted(packages.items()))
+    return ENVS / f"{version}+{slug}"
+
+
+def ensure_overlay(version: str, packages: dict[str, str], env: Path) -> Path:
+    """The packages at these versions in a folder of their own, installed with the release
+    environment's pip without dependencies (nothing else is resolved, torch least of all)."""
+    overlay = overlay_dir(version, packages)
+    stamp = fingerprint("overlay", version, torch_pin(), packages_prefix(packages))
+    if (overlay / ".matrix-stamp").is_file() and (overlay / ".matrix-stamp").read_text() == stamp:
+        return overlay
+    shutil.rmtree(overlay, ignore_errors=True)
+    overlay.mkdir(parents=True)
+    log(f"installing {packages_prefix(packages)} into {overlay} (over deepspeed {version})")
+    overridden = {normalized(name) for name in packages}
+    constraints = overlay / "constraints.txt"
+    constraints.write_text("".join(f"{name}=={wanted}\n" for name, wanted in pins(CONSTRAINTS).items()
+                                   if normalized(name) not in overridden | {"deepspeed"}))
+    pip(env / "bin" / "python", "--no-deps", "--target", str(overlay / "site-packages"), "-c",
+        str(constraints), *(f"{name}=={wanted}" for name, wanted in sorted(packages.items())),
+        logfile=overlay / "build.log")
+    (overlay / ".matrix-stamp").write_text(stamp)
+    return overlay
 
 
 def pinned_in_constraints() -> str:
@@ -476,6 +569,23 @@ def run_release(version: str, config: dict, repeat: int, only: list[str] | None 
         timings.setdefault("runs", {})[key] = [run["seconds"] for run in runs]
         log(f"{version}: {key}: {describe_run(row['examples'][key])} "
             f"({', '.join(str(run['seconds']) for run in runs)} s)")
+    for key in package_commands_for(version, config):
+        if only and not any(part in key for part in only):
+            continue
+        packages, ranks, path = parse_command(key)
+        overlay = ensure_overlay(version, packages, env)
+        with_overlay = {**extra, "PYTHONPATH": str(overlay / "site-packages")}
+        runs = [run_command(python, env, ranks, path, with_overlay) for _ in range(repeat)]
+        first = compared(runs[0])
+        row.setdefault("with_packages", {})[key] = {
+            **first,
+            "runs": repeat,
+            "same_every_run": all(compared(run) == first for run in runs),
+            "aborted_at_exit": sum(any(rank["aborted_at_exit"] for rank in run["ranks"]) for run in runs),
+        }
+        timings.setdefault("runs", {})[key] = [run["seconds"] for run in runs]
+        log(f"{version}: {key}: {describe_run(row['with_packages'][key])} "
+            f"({', '.join(str(run['seconds']) for run in runs)} s)")
     if extra and config.get("env_check"):
         path = config["env_check"]["example"]
         for ranks, _ in documented_commands(path)[:1]:
@@ -620,6 +730,15 @@ def render_versions_page(data: dict, config: dict) -> str:
         where = " and ".join(ran) if len(ran) <= 2 else ", ".join(ran)
         out.append(f"Run on {where} only (not run on the other releases): "
                    f"{', '.join(code(name.rsplit('/', 1)[1]) for name in names)}.")
+        out.append("")
+    with_packages: dict[str, list[str]] = {}
+    for version in all_versions:
+        for key in data["releases"].get(version, {}).get("with_packages", {}):
+            packages = ", ".join(f"{name} {wanted}" for name, wanted in parse_command(key)[0].items())
+            with_packages.setdefault(example_name(key), []).append(f"{version} with {packages}")
+    for path, runs in with_packages.items():
+        out.append(f"Run with other package versions, installed over the release's environment: "
+                   f"{code(path.rsplit('/', 1)[1])} on {'; '.join(runs)} (what differs is in its note).")
         out.append("")
     by_command = grouped(data, config)
     if not any(groups for groups in by_command.values()):
@@ -878,12 +997,40 @@ def render_example_note(data: dict, config: dict, path: str) -> str:
         others.update(v for v in ran_releases(data, command) if v != pinned)
         for change in changes_of(data, config, command):
             lines.append(change_line(change))
+    lines += package_lines(data, config, path)
     head = (f'!!! note "Other DeepSpeed releases"\n    This example also ran on DeepSpeed '
             f"{', '.join(sorted(others, key=release_key)) or '(none yet)'} "
             f"([DeepSpeed versions](../versions.md)).")
+    if package_runs(data, path):
+        head += " It also ran with other versions of the packages named in bold (installed over the release's environment)."
     if not lines:
         return head + f" Every release printed the same as {pinned}.\n"
     return head + f" What differs from {pinned}:\n\n" + "".join(f"    - {line}\n" for line in lines)
+
+
+def package_runs(data: dict, path: str) -> list[tuple[str, str, dict]]:
+    """(release, key, entry) of every run of `path` with other package versions."""
+    return [(version, key, entry)
+            for version in sorted(data["releases"], key=release_key)
+            for key, entry in data["releases"][version].get("with_packages", {}).items()
+            if example_name(key) == path]
+
+
+def package_lines(data: dict, config: dict, path: str) -> list[str]:
+    """One line per run with other package versions: what differs from the pinned stack."""
+    pinned = config["pinned"]
+    lines = []
+    for version, key, entry in package_runs(data, path):
+        packages = parse_command(key)[0]
+        label = f"**{version} with {', '.join(f'{name} {wanted}' for name, wanted in packages.items())}**"
+        base = data["releases"].get(pinned, {}).get("examples", {}).get(plain_command(key))
+        if base is None:
+            continue
+        if transcript(entry) == transcript(base):
+            lines.append(f"{label}: printed the same as {pinned} with the pinned packages.")
+            continue
+        lines.append(f"{label}: {'; '.join(describe_difference(entry, base, pinned))}.")
+    return lines
 
 
 def note_name(path: str) -> str:
@@ -894,7 +1041,9 @@ def note_name(path: str) -> str:
 def examples_with_differences(data: dict, config: dict) -> list[str]:
     """The examples (paths) whose output on some release differs from the pinned release's:
     each gets a note, which every page showing the example includes."""
-    return sorted({example_name(command) for command, groups in grouped(data, config).items() if groups})
+    differing = {example_name(command) for command, groups in grouped(data, config).items() if groups}
+    return sorted(differing | {example_name(key) for row in data["releases"].values()
+                               for key in row.get("with_packages", {})})
 
 
 def render(data: dict | None = None, config: dict | None = None) -> dict[str, str]:
@@ -976,6 +1125,8 @@ def main(argv: list[str]) -> int:
                 old = data["releases"].get(version)
                 if args.example and old and "examples" in old and "examples" in new:
                     new["examples"] = {**old["examples"], **new["examples"]}
+                if args.example and old and (old.get("with_packages") or new.get("with_packages")):
+                    new["with_packages"] = {**old.get("with_packages", {}), **new.get("with_packages", {})}
                 data["releases"][version] = new
                 data["releases"] = dict(sorted(data["releases"].items(), key=lambda item: release_key(item[0])))
                 save_data(data)
@@ -1018,6 +1169,14 @@ def compare_rows(old: dict | None, new: dict, partial: bool = False) -> list[str
         if entry["aborted_at_exit"]:
             print(f"matrix: note: {key} aborted at exit in {entry['aborted_at_exit']} of {entry['runs']} runs",
                   file=sys.stderr)
+    for key, entry in new.get("with_packages", {}).items():
+        committed = old.get("with_packages", {}).get(key)
+        if committed is None:
+            problems.append(f"{key}: not in versions/matrix.json")
+        elif comparable(committed) != comparable(entry):
+            diff = "\n".join(difflib.unified_diff(transcript(committed), transcript(entry), "committed", "now",
+                                                  lineterm=""))
+            problems.append(f"{key}: differs\n{diff}")
     for key in old.get("examples", {}):
         if key not in new.get("examples", {}) and not partial:
             problems.append(f"{key}: in versions/matrix.json but not run")

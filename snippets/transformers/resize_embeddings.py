@@ -14,20 +14,24 @@ from pathlib import Path
 
 import deepspeed
 import torch
-import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.integrations import HfDeepSpeedConfig
+try:
+    from transformers.integrations import HfDeepSpeedConfig
+except ImportError:  # pragma: no cover - before Transformers 4.32 (the version matrix's 4.31.0)
+    from transformers.deepspeed import HfDeepSpeedConfig
 
 VOCAB, ADDED, SEQ, BATCH, STEPS, SEED, LR = 32, 4, 6, 8, 3, 0, 0.1
+PAD_TO = 8  # 36 rows padded to 40
 
 
-def tiny_llama():
-    """A tied Llama small enough for a test, built from its config (no download)."""
+def tiny_llama(tied=True):
+    """A Llama small enough for a test, built from its config (no download); tied unless
+    `tied=False` (then the head has weights of its own, resized separately)."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=SEQ, tie_word_embeddings=True)
+                         max_position_embeddings=SEQ, tie_word_embeddings=tied)
     torch.manual_seed(SEED)
     return LlamaForCausalLM(config)
 
@@ -51,17 +55,19 @@ def tied(model):
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def full_embedding(model):
-    weight = model.get_input_embeddings().weight
+def full_weight(weight):
     with deepspeed.zero.GatheredParameters(weight):  # a no-op for a weight not partitioned
         return weight.detach().clone()
 
 
 def facts(model):
     weight = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
     return {"tied": tied(model), "partitioned": hasattr(weight, "ds_id"),
             "shape": tuple(getattr(weight, "ds_shape", weight.shape)),
-            "vocab_size": model.config.vocab_size, "embedding": full_embedding(model)}
+            "head shape": tuple(getattr(head, "ds_shape", head.shape)),
+            "vocab_size": model.config.vocab_size, "embedding": full_weight(weight),
+            "head": full_weight(head)}
 
 
 def train(engine):
@@ -70,9 +76,9 @@ def train(engine):
     tokens = batch()[rank::world].to(engine.device)
     losses, grads = [], []
     for _ in range(STEPS):
-        logits = engine(tokens).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB + ADDED),
-                               tokens[:, 1:].reshape(-1))
+        # The model's own loss, as Trainer computes it: it reshapes the logits by
+        # config.vocab_size (that is where a vocab_size of 0 fails).
+        loss = engine(tokens, labels=tokens).loss
         engine.backward(loss)
         grads.append({name: safe_get_full_grad(p).clone()
                       for name, p in engine.module.named_parameters()})
@@ -81,6 +87,22 @@ def train(engine):
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / world)
     return {"losses": losses, "grads": grads}
+
+
+def all_ranks(flag):
+    """Whether `flag` holds on every rank (a collective)."""
+    flags = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(flags, bool(flag))
+    return all(flags)
+
+
+def say_resized(label, result):
+    if torch.distributed.get_rank() != 0:
+        return
+    for when in ("resized", "initialized"):
+        print(f"{label}, {when}:", *(f"{k} {v}," for k, v in result[when].items()
+                                     if k not in ("embedding", "head")))
+    print("  losses:", *(f"{x:.4f}" for x in result["losses"]))
 
 
 def initialize(model, config):
@@ -104,6 +126,8 @@ def main():
     # Saved before the process group exists: save_pretrained writes on rank 0 only after.
     directory = tempfile.mkdtemp(prefix="tiny-llama-")
     tiny_llama().save_pretrained(directory)
+    untied_directory = tempfile.mkdtemp(prefix="tiny-llama-untied-")
+    tiny_llama(tied=False).save_pretrained(untied_directory)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
     if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
@@ -123,7 +147,7 @@ def main():
     results["before"] = {"resized": resized, "initialized": facts(model), **train(engine)}
     for when in ("resized", "initialized"):
         say(f"{when}:", *(f"{k} {v}," for k, v in results["before"][when].items()
-                          if k != "embedding"))
+                          if k not in ("embedding", "head", "head shape")))
     say("  losses:", *(f"{x:.4f}" for x in results["before"]["losses"]))
 
     # --8<-- [start:outside]
@@ -137,6 +161,41 @@ def main():
     results["outside"] = {"resized": resized, **train(engine)}
     say("built outside zero.Init, resized, then initialized: losses",
         *(f"{x:.4f}" for x in results["outside"]["losses"]))
+
+    # --8<-- [start:padded]
+    model = LlamaForCausalLM.from_pretrained(directory)
+    model.resize_token_embeddings(VOCAB + ADDED, pad_to_multiple_of=PAD_TO)
+    resized = facts(model)
+    engine = initialize(model, config)
+    # --8<-- [end:padded]
+    results["padded"] = {"resized": resized, "initialized": facts(model), **train(engine)}
+    say_resized(f"pad_to_multiple_of={PAD_TO}", results["padded"])
+
+    # --8<-- [start:unseeded]
+    model = LlamaForCausalLM.from_pretrained(directory)
+    torch.manual_seed(SEED + torch.distributed.get_rank())  # each rank its own draws
+    model.resize_token_embeddings(VOCAB + ADDED)
+    resized = facts(model)
+    engine = initialize(model, config)  # converts the new embedding: rank 0's values
+    # --8<-- [end:unseeded]
+    results["unseeded"] = {"resized": resized, "initialized": facts(model), **train(engine)}
+    added = results["unseeded"]["resized"]["embedding"][VOCAB:]
+    rank_0_added = added.clone()
+    torch.distributed.broadcast(rank_0_added, src=0)
+    after = results["unseeded"]["initialized"]["embedding"][VOCAB:]
+    say("each rank seeded differently: added rows equal rank 0's before initialize:",
+        all_ranks(torch.equal(added, rank_0_added)), "after:",
+        all_ranks(torch.equal(after, rank_0_added)))
+    say("  losses:", *(f"{x:.4f}" for x in results["unseeded"]["losses"]))
+
+    # --8<-- [start:untied]
+    model = LlamaForCausalLM.from_pretrained(untied_directory)  # its own head weights
+    model.resize_token_embeddings(VOCAB + ADDED)  # resizes the head too
+    resized = facts(model)
+    engine = initialize(model, config)
+    # --8<-- [end:untied]
+    results["untied"] = {"resized": resized, "initialized": facts(model), **train(engine)}
+    say_resized("untied head", results["untied"])
 
     # --8<-- [start:after]
     model = LlamaForCausalLM.from_pretrained(directory)
@@ -153,6 +212,7 @@ def main():
     # --8<-- [end:no_config]
     say("resized without HfDeepSpeedConfig: {}, raised in {}".format(*results["no_config"]))
     shutil.rmtree(directory)
+    shutil.rmtree(untied_directory)
     return results
 
 

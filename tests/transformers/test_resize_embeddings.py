@@ -1,7 +1,8 @@
 """snippets/transformers/resize_embeddings.py: resize_token_embeddings on a tied Llama under
 ZeRO-3 on 2 and 4 ranks. Before deepspeed.initialize (inside or outside zero.Init, with
 HfDeepSpeedConfig alive) the head stays tied, the old rows are unchanged, and training equals
-the same resize in one process; the other orders fail with the exact messages."""
+the same resize in one process; so do an untied head and pad_to_multiple_of; ranks seeded
+differently end with rank 0's added rows; the other orders fail with the exact messages."""
 
 import pytest
 import torch
@@ -18,24 +19,31 @@ EXAMPLE = example_namespace(SNIPPET)
 VOCAB, ADDED = EXAMPLE["VOCAB"], EXAMPLE["ADDED"]
 
 
-def original_embedding():
-    return EXAMPLE["tiny_llama"]().get_input_embeddings().weight.detach().clone()
+def original_embedding(tied=True):
+    return EXAMPLE["tiny_llama"](tied).get_input_embeddings().weight.detach().clone()
 
 
-def train_in_one_process(new_rows):
+def original_head():
+    return EXAMPLE["tiny_llama"](tied=False).get_output_embeddings().weight.detach().clone()
+
+
+def train_in_one_process(new_rows, tied=True, pad_to=None, new_head_rows=None):
     """The same resize without DeepSpeed, the added rows set to the run's (they are drawn at
     random), then the snippet's training: full batch, SGD."""
-    model = EXAMPLE["tiny_llama"]()
-    model.resize_token_embeddings(VOCAB + ADDED)
-    assert EXAMPLE["tied"](model)
+    model = EXAMPLE["tiny_llama"](tied)
+    model.resize_token_embeddings(VOCAB + ADDED, pad_to_multiple_of=pad_to)
+    assert EXAMPLE["tied"](model) is tied
     with torch.no_grad():
         model.get_input_embeddings().weight[VOCAB:] = new_rows
+        if new_head_rows is not None:
+            model.get_output_embeddings().weight[VOCAB:] = new_head_rows
     tokens = EXAMPLE["batch"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=EXAMPLE["LR"])
     losses, grads = [], []
     for _ in range(EXAMPLE["STEPS"]):
         logits = model(tokens).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB + ADDED), tokens[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                               tokens[:, 1:].reshape(-1))
         loss.backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
         optimizer.step()
@@ -44,10 +52,10 @@ def train_in_one_process(new_rows):
     return losses, grads
 
 
-def check_resized(facts, original, label):
-    assert facts["tied"], label
-    assert facts["shape"] == (VOCAB + ADDED, 16), label
-    assert facts["vocab_size"] == VOCAB + ADDED, label
+def check_resized(facts, original, label, tied=True, rows=VOCAB + ADDED):
+    assert facts["tied"] is tied, label
+    assert facts["shape"] == facts["head shape"] == (rows, 16), label
+    assert facts["vocab_size"] == rows, label
     assert torch.equal(facts["embedding"][:VOCAB], original), f"{label}: old rows changed"
 
 
@@ -66,6 +74,37 @@ def test_resize_before_initialize_trains_like_one_process(world_size, expect_out
             assert torch.equal(got[order]["resized"]["embedding"][VOCAB:], new_rows), label
             assert_same_training(got[order], reference, label)
         assert not ranks[0][order]["resized"]["partitioned"]  # a new, full Parameter
+    # An untied head is resized as well: its old rows kept, its new rows drawn like the
+    # embedding's; and pad_to_multiple_of rounds the rows up (36 to 40), config included.
+    untied_rows = ranks[0]["untied"]["resized"]["embedding"][VOCAB:]
+    head_rows = ranks[0]["untied"]["resized"]["head"][VOCAB:]
+    padded_rows = ranks[0]["padded"]["resized"]["embedding"][VOCAB:]
+    rows = VOCAB + ADDED + (-(VOCAB + ADDED)) % EXAMPLE["PAD_TO"]
+    assert rows == 40 and padded_rows.shape[0] == rows - VOCAB
+    references = {"untied": train_in_one_process(untied_rows, tied=False, new_head_rows=head_rows),
+                  "padded": train_in_one_process(padded_rows, pad_to=EXAMPLE["PAD_TO"])}
+    for rank, got in enumerate(ranks):
+        label = f"untied, rank {rank}"
+        for when in ("resized", "initialized"):
+            check_resized(got["untied"][when], original_embedding(tied=False), label, tied=False)
+            assert torch.equal(got["untied"][when]["head"][:VOCAB], original_head()), label
+            check_resized(got["padded"][when], original, f"padded, rank {rank}", rows=rows)
+            assert torch.equal(got["padded"][when]["embedding"][VOCAB:], padded_rows)
+        # The untied case runs after the ranks were seeded differently: each rank drew its
+        # own rows; deepspeed.initialize leaves every rank with rank 0's.
+        assert torch.equal(got["untied"]["initialized"]["head"][VOCAB:], head_rows), label
+        assert torch.equal(got["untied"]["initialized"]["embedding"][VOCAB:], untied_rows)
+        for case, reference in references.items():
+            assert_same_training(got[case], reference, f"{case}, rank {rank}")
+    # Ranks seeded differently draw different rows; deepspeed.initialize converts the new
+    # embedding with rank 0's values (DeepSpeed broadcasts a parameter it converts), and the
+    # training is the one-process training with rank 0's rows.
+    drawn = [got["unseeded"]["resized"]["embedding"][VOCAB:] for got in ranks]
+    assert not any(torch.equal(drawn[0], other) for other in drawn[1:])
+    reference = train_in_one_process(drawn[0])
+    for rank, got in enumerate(ranks):
+        assert torch.equal(got["unseeded"]["initialized"]["embedding"][VOCAB:], drawn[0])
+        assert_same_training(got["unseeded"], reference, f"unseeded, rank {rank}")
     for rank, got in enumerate(ranks):
         assert got["before"]["initialized"]["tied"] and got["before"]["initialized"]["partitioned"]
         assert got["after"][0] == AFTER, got["after"]

@@ -51,11 +51,33 @@ SOURCES = {
         "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
     "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
         "../transformers/init_under_zero_init.out"],
+    # What each save writes from a partitioned model, and PEFT on other releases
+    # (snippets/transformers/zero3_saves.py; the version matrix's note of peft_modules_to_save.py)
+    "RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM: size mismatch for "
+    "model.embed_tokens.weight: copying a param with shape torch.Size([0]) from checkpoint, the shape "
+    "in current model is torch.Size([32, 16])": ["../transformers/zero3_saves.out"],
+    "RuntimeError: Error(s) in loading state_dict for PeftModel: size mismatch for "
+    "base_model.model.model.embed_tokens.modules_to_save.default.weight: copying a param with shape "
+    "torch.Size([0]) from checkpoint, the shape in current model is torch.Size([32, 16])": [
+        "../transformers/zero3_saves.out", "../versions/peft_modules_to_save.md"],
+    "RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an error. For details "
+    "look at the above report!": ["../transformers/zero3_saves.out"],
+    "OSError: Error no file named model.safetensors, or pytorch_model.bin, found in directory "
+    "<folder>.": ["../transformers/zero3_saves.out"],
+    "ValueError: Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` "
+    "in DeepSpeed config is False.": ["../transformers/zero3_saves.out"],
+    "AssertionError: {'id': 16, 'status': 'NOT_AVAILABLE', 'numel': 0, 'ds_numel': 0, 'shape': (0,), "
+    "'ds_shape': (0,), 'requires_grad': True, 'grad_shape': None, 'persist': True, "
+    "'active_sub_modules': {42}, 'ds_tensor.shape': torch.Size([0])}": ["../versions/peft_modules_to_save.md"],
+    "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
+        "../versions/peft_modules_to_save.md"],
+    "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
 }
 
 
 def headings():
-    return re.findall(r"^### `(.+)`$", PAGE.read_text(), flags=re.M)
+    # A message with backticks is fenced with two: ### `` a `b` c ``
+    return [m[1] for m in re.findall(r"^### (`+) ?(.+?) ?\1$", PAGE.read_text(), flags=re.M)]
 
 
 def test_page_lists_exactly_these_messages():
