@@ -8,6 +8,7 @@ Run on CPU (2 processes):
 On GPUs, drop DS_ACCELERATOR=cpu (not run here).
 """
 import os
+import sys
 import tempfile
 import warnings
 
@@ -102,3 +103,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import sys
 import tempfile
 import warnings
 
@@ -367,3 +368,5 @@ def code(text):
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort
