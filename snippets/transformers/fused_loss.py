@@ -10,6 +10,8 @@ On GPUs, drop DS_ACCELERATOR=cpu.
 import deepspeed
 import torch
 import torch.nn.functional as F
+import transformers
+import trl
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -202,6 +204,8 @@ def main():
         raise ValueError(f"{BATCH} sequences do not split evenly over {world} ranks; run "
                          "on 2 or 4 ranks (the printed losses were checked on both)")
     say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
+    say(f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__}")
     config = {"train_micro_batch_size_per_gpu": BATCH // world,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
