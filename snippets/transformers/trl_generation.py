@@ -1,8 +1,9 @@
 """A GRPO-shaped training step under ZeRO-3: sample completions with TRL's
 unwrap_model_for_generation, score them, and train on them (a policy-gradient loss with
 group-normalized rewards, as GRPO computes it), three steps on a tiny tied Llama.
-Two ways of calling the helper: with the DeepSpeed engine, as GRPOTrainer has since TRL
-0.16.0, and with the model inside it, as GRPOTrainer did before.
+The helper is given the DeepSpeed engine, as GRPOTrainer has since TRL 0.16.0, or the model
+inside it, as GRPOTrainer did before; the policy is the plain Llama, or one whose forward
+reads the head's weight itself (as TRL's GRPO loss with use_liger_kernel does).
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/trl_generation.py
@@ -26,13 +27,29 @@ from trl.models.utils import unwrap_model_for_generation
 VOCAB, PROMPT, NEW, GROUP, PROMPTS, STEPS, LR, SEED = 32, 3, 4, 4, 2, 3, 0.5, 0
 
 
-def tiny_llama():
+# --8<-- [start:policy]
+class HeadReadingLlama(LlamaForCausalLM):
+    """Given completion_ids, its forward returns their log-probabilities, computed from the
+    last hidden states and lm_head.weight read by attribute (TRL's GRPO loss with
+    use_liger_kernel reads the weight the same way). generate() calls the usual forward."""
+
+    def forward(self, input_ids, completion_ids=None, **kwargs):
+        if completion_ids is None:
+            return super().forward(input_ids, **kwargs)
+        hidden = self.model(input_ids).last_hidden_state[:, PROMPT - 1:-1]
+        logits = hidden @ self.lm_head.weight.t()  # a read DeepSpeed detects in this forward
+        logps = torch.log_softmax(logits, -1)
+        return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+# --8<-- [end:policy]
+
+
+def tiny_llama(policy=LlamaForCausalLM):
     """A tied Llama small enough for a test, built from its config (no download)."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                          max_position_embeddings=16, tie_word_embeddings=True)
     torch.manual_seed(SEED)
-    return LlamaForCausalLM(config)
+    return policy(config)
 
 
 def prompts(step, rank):
@@ -58,15 +75,22 @@ def sample(model, prompt_ids, step, rank):
     return output[:, PROMPT:]
 
 
+def completion_logps(model, prompt_ids, completion_ids):
+    """The log-probability of each completion token under the policy."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    if isinstance(getattr(model, "module", model), HeadReadingLlama):  # engine or model
+        return model(input_ids, completion_ids=completion_ids)
+    logits = model(input_ids).logits[:, PROMPT - 1:-1]  # the logits of each completion token
+    return torch.log_softmax(logits, -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
 # --8<-- [start:loss]
 def grpo_loss(model, prompt_ids, completion_ids):
     """GRPO's loss for one optimization step per generation (the ratio is 1, its gradient
     is the policy gradient); no KL term (beta = 0, GRPOConfig's default)."""
     rewards = reward(completion_ids).view(-1, GROUP)
     advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
-    logits = model(torch.cat([prompt_ids, completion_ids], dim=1)).logits
-    logits = logits[:, PROMPT - 1:-1]  # the logits that predicted each completion token
-    logps = torch.log_softmax(logits, -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    logps = completion_logps(model, prompt_ids, completion_ids)
     ratio = torch.exp(logps - logps.detach())
     return -(ratio * advantages.view(-1, 1)).mean()
 # --8<-- [end:loss]
@@ -80,14 +104,19 @@ def cpu_accelerator(config):
     return accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
 
 
-def train(give_engine):
+def read_gradients(engine, record):
+    record["grads"].append({name: safe_get_full_grad(p).clone()
+                            for name, p in engine.module.named_parameters()})
+
+
+def train(give_engine, policy):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     config = {"train_micro_batch_size_per_gpu": PROMPTS * GROUP,
               "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
     accelerator = cpu_accelerator(config)
-    model = tiny_llama()
+    model = tiny_llama(policy)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, optimizer = accelerator.prepare(model, optimizer)  # a DeepSpeedEngine, partitioned
     record = {"rewards": [], "grads": [], "completions": [], "error": None}
@@ -102,10 +131,9 @@ def train(give_engine):
             engine.train()
             loss = grpo_loss(engine, prompt_ids, completion_ids)
             engine.backward(loss)
-            # --8<-- [end:step]
-            record["grads"].append({name: safe_get_full_grad(p).clone()
-                                    for name, p in engine.module.named_parameters()})
+            read_gradients(engine, record)  # what the test compares
             engine.step()
+            # --8<-- [end:step]
             mean_reward = reward(completion_ids).mean()
             torch.distributed.all_reduce(mean_reward)
             record["rewards"].append(mean_reward.item() / world)
@@ -123,12 +151,13 @@ def main():
     say(f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, "
         f"accelerate {accelerate.__version__}, trl {trl.__version__}")
     results = {}
-    for case, give_engine in (("unwrap_model_for_generation(engine, ...)", True),
-                              ("unwrap_model_for_generation(engine.module, ...)", False)):
-        results[case] = record = train(give_engine)
-        rewards = " ".join(f"{x:.4f}" for x in record["rewards"]) or "-"
-        say(f"{case}: mean reward {rewards}"
-            + (f", then {record['error']}" if record["error"] else ""))
+    for policy in (LlamaForCausalLM, HeadReadingLlama):
+        for given, give_engine in (("engine", True), ("engine.module", False)):
+            case = f"{policy.__name__}, unwrap_model_for_generation({given}, ...)"
+            results[case] = record = train(give_engine, policy)
+            steps = len(record["grads"])  # sampled tokens are not printed: see the test
+            say(f"{case}: {steps} of {STEPS} steps trained"
+                + (f", then {record['error']}" if record["error"] else ""))
     torch.distributed.destroy_process_group()
     return results
 
