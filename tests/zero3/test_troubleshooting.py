@@ -39,6 +39,13 @@ SOURCES = {
         "../pipeline/pipeline_to_plain.out"],
     "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
     "zero_to_fp32.py to recover weights": ["../transformers/tied_causal_lm.out"],
+    # Fused losses, TRL's generation helper and copied models
+    "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
+    "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
+    "dimension 1": ["../transformers/fused_loss.out"],
+    "RuntimeError: 0 active drivers ([]). There should only be one.": ["liger_on_cpu.txt"],
+    "ValueError: DeepSpeed ZeRO-3 is enabled and is not compatible with": ["../transformers/copied_reference.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_id'": ["../transformers/copied_reference.out"],
 }
 
 
