@@ -89,6 +89,39 @@ def test_a_gradient_for_an_emptied_weight_is_autogrades_message():
     assert f"RuntimeError: {raised.value}" == ACCUMULATE
 
 
+@pytest.mark.parametrize("tokens, width, vocab", [(3, 5, 7), (9, 16, 32), (1, 64, 3)])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_rule_on_other_shapes_without_deepspeed(kind, tokens, width, vocab):
+    """The rule of the page on shapes not written for it, with the block's exit done by hand:
+    once the weight is emptied after the forward, a trainable weight fails in backward, either
+    kind (the gradient kind with autograd's message naming the width); a frozen weight with
+    inputs that need no gradient does not, and then its hidden states get the right gradient."""
+    example = example_namespace(SNIPPET)
+    function = example["KINDS"][kind]
+    function.forward.__globals__["VOCAB"] = vocab  # a fresh namespace: the Functions read it
+    torch.manual_seed(tokens)
+    labels = torch.randint(0, vocab, (tokens,))
+    for trainable in (True, False):
+        hidden = torch.randn(tokens, width, requires_grad=not trainable)
+        weight = torch.nn.Parameter(torch.randn(vocab, width), requires_grad=trainable)
+        full = weight.detach().clone()
+        loss = function.apply(hidden, weight, labels)
+        weight.data = torch.empty(0)
+        if trainable:
+            with pytest.raises(RuntimeError) as raised:
+                loss.backward()
+            if kind == "gradient in forward":
+                assert f"must match the size of tensor b ({width})" in str(raised.value)
+        elif kind == "gradient in forward":  # nothing of the weight is needed: it trains
+            loss.backward()
+            want = torch.autograd.grad(
+                F.cross_entropy(hidden @ full.t(), labels), hidden)[0]
+            assert_matches(hidden.grad, want, f"{kind} hidden grad")
+        else:  # the gradient of the hidden states needs the weight's values
+            with pytest.raises(RuntimeError):
+                loss.backward()
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_loss_trains_only_where_a_forward_or_the_block_holds_the_weight(
         world_size, reference, expect_output):
