@@ -94,8 +94,9 @@ def test_a_gradient_for_an_emptied_weight_is_autogrades_message():
 def test_the_rule_on_other_shapes_without_deepspeed(kind, tokens, width, vocab):
     """The rule of the page on shapes not written for it, with the block's exit done by hand:
     once the weight is emptied after the forward, a trainable weight fails in backward, either
-    kind (the gradient kind with autograd's message naming the width); a frozen weight with
-    inputs that need no gradient does not, and then its hidden states get the right gradient."""
+    kind (the gradient-in-forward kind with autograd's message naming the width). A frozen
+    weight with hidden states that need a gradient: the kind that computed that gradient in
+    forward needs nothing of the weight and trains; the other kind needs its values and fails."""
     example = example_namespace(SNIPPET)
     function = example["KINDS"][kind]
     function.forward.__globals__["VOCAB"] = vocab  # a fresh namespace: the Functions read it
