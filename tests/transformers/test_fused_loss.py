@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rankrun.pages import output_file
-from rankrun.reference import assert_same_training, example_namespace
+from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
 from rankrun.results import assert_refused
 from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
@@ -36,27 +36,16 @@ FAILS = {
 }
 
 
-def unfused_loss(model, tokens):
-    """The loss the fused functions stand for: every token's logits, then cross-entropy."""
-    hidden = model(tokens)  # FusedLossLlama without labels: the hidden states
-    logits = model.lm_head(hidden)
-    return F.cross_entropy(logits, tokens[:, 1:].reshape(-1))
-
-
 @pytest.fixture(scope="module")
 def reference():
-    """The same Llama and batches in this one process, unfused, with plain SGD."""
+    """The same Llama and batches in this one process with plain SGD, the loss unfused: every
+    token's logits (FusedLossLlama without labels returns the hidden states), then
+    cross-entropy."""
     model = EXAMPLE["tiny_llama"]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=EXAMPLE["LR"])
-    losses, grads = [], []
-    for step in range(EXAMPLE["STEPS"]):
-        loss = unfused_loss(model, EXAMPLE["batch"](step))
-        loss.backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+    batches = [(EXAMPLE["batch"](step),) * 2 for step in range(EXAMPLE["STEPS"])]
+    def unfused(hidden, tokens):
+        return F.cross_entropy(model.lm_head(hidden), tokens[:, 1:].reshape(-1))
+    return train_in_one_process(model, batches, unfused, EXAMPLE["LR"])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
