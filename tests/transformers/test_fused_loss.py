@@ -43,6 +43,7 @@ def reference():
     cross-entropy."""
     model = EXAMPLE["tiny_llama"]()
     batches = [(EXAMPLE["batch"](step),) * 2 for step in range(EXAMPLE["STEPS"])]
+
     def unfused(hidden, tokens):
         return F.cross_entropy(model.lm_head(hidden), tokens[:, 1:].reshape(-1))
     return train_in_one_process(model, batches, unfused, EXAMPLE["LR"])
