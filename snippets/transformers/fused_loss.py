@@ -216,8 +216,8 @@ def main():
         for placement in PLACEMENTS:
             results[kind, placement] = record = train(placement, fused, config)
             losses = " ".join(f"{x:.4f}" for x in record["losses"]) or "-"
-            trl = " (TRL's helper gathered it)" if record["gathered by TRL"] else ""
-            say(f"  {placement}{trl}: losses {losses}"
+            gathered = " (TRL's helper gathered it)" if record["gathered by TRL"] else ""
+            say(f"  {placement}{gathered}: losses {losses}"
                 + (f", then {record['error']}" if record["error"] else ""))
     del hf_config
     torch.distributed.destroy_process_group()
