@@ -124,7 +124,7 @@ def gathered_in_the_loop(engine, tokens):
     weight = engine.module.lm_head.weight
     with deepspeed.zero.GatheredParameters([weight]):  # modifier_rank=None
         return engine.module.fused.apply(hidden, weight, tokens[:, 1:].reshape(-1))
-    # engine.backward(loss) runs after the block, with the weight empty again
+    # the training loop's backward runs after the block, with the weight empty again
 # --8<-- [end:placements]
 
 
