@@ -23,6 +23,10 @@ WITHOUT_STEP: dict[tuple[str, str, str], str] = {
      "def backward_inside_the_block(engine, sampled_input, targets):"):
         "a loss function that also backpropagates, in place of compute_loss + engine.backward; "
         "the page says the training loop steps after it",
+    ("docs/zero3/fused-loss.md", "snippets/transformers/fused_loss.py",
+     "def backward_inside_the_block(engine, tokens):"):
+        "a placement of the loss that also backpropagates; the page says each placement trains "
+        "the model three steps",
 }
 
 

@@ -72,6 +72,13 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
+    # Fused losses, TRL's generation helper and copied models
+    "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
+    "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
+    "dimension 1": ["../transformers/fused_loss.out"],
+    "RuntimeError: 0 active drivers ([]). There should only be one.": ["liger_on_cpu.txt"],
+    "ValueError: DeepSpeed ZeRO-3 is enabled and is not compatible with": ["../transformers/copied_reference.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_id'": ["../transformers/copied_reference.out"],
 }
 
 
