@@ -7,7 +7,9 @@ Run on CPU (2 processes):
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import copy
+import os
 import shutil
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -103,3 +105,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

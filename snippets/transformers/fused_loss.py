@@ -7,6 +7,9 @@ Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/fused_loss.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
+import os
+import sys
+
 import deepspeed
 import torch
 import torch.nn.functional as F
@@ -226,3 +229,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort

@@ -10,6 +10,7 @@ Run on CPU (2 processes):
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import os
+import sys
 
 import accelerate
 import deepspeed
@@ -164,3 +165,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # os._exit does not flush
+    os._exit(0)  # no interpreter shutdown, which gloo's threads can abort
