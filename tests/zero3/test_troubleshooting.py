@@ -39,18 +39,6 @@ SOURCES = {
         "../pipeline/pipeline_to_plain.out"],
     "stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use "
     "zero_to_fp32.py to recover weights": ["../transformers/tied_causal_lm.out"],
-    # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
-    "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
-    "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
-    "them in the same FSDP group.": ["../pipeline/accelerate_fsdp2_releases.txt"],
-    "KeyError: 'lm_head.weight'": ["../pipeline/accelerate_fsdp2_releases.txt"],
-    "ValueError: FSDP2 mapping failed (missing: ['lm_head.weight']). This is likely due to tied "
-    "embeddings (config has tie_word_embeddings=True but checkpoint has separate weights).": [
-        "../pipeline/accelerate_fsdp2_tied.out", "../pipeline/accelerate_fsdp2_releases.txt"],
-    "TypeError: The only supported seed types are: None,": [
-        "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
-    "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
-        "../transformers/init_under_zero_init.out"],
     # What each save writes from a partitioned model, and PEFT on other releases
     # (snippets/transformers/zero3_saves.py; the version matrix's note of peft_modules_to_save.py)
     "RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM: size mismatch for "
@@ -72,6 +60,18 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
+    # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
+    "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
+    "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
+    "them in the same FSDP group.": ["../pipeline/accelerate_fsdp2_releases.txt"],
+    "KeyError: 'lm_head.weight'": ["../pipeline/accelerate_fsdp2_releases.txt"],
+    "ValueError: FSDP2 mapping failed (missing: ['lm_head.weight']). This is likely due to tied "
+    "embeddings (config has tie_word_embeddings=True but checkpoint has separate weights).": [
+        "../pipeline/accelerate_fsdp2_tied.out", "../pipeline/accelerate_fsdp2_releases.txt"],
+    "TypeError: The only supported seed types are: None,": [
+        "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
+    "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
+        "../transformers/init_under_zero_init.out"],
     # Fused losses, TRL's generation helper and copied models
     "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
