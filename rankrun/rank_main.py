@@ -154,6 +154,24 @@ def become_subreaper() -> None:
     ctypes.CDLL(None).prctl(36, 1)
 
 
+def probe_stacks_on_request(path: str) -> None:
+    """On SIGUSR2, append every thread's Python stack to `path`: the runner's hang watcher
+    (rankrun/hang.py) looks at a rank this way while it runs, without touching its stderr.
+    The file appears under its name only once the handler is in place (an early SIGUSR2 would
+    end the process), so the watcher asks only a rank whose file exists."""
+    import faulthandler
+    import signal
+
+    global _STACKS_FD
+    partial = path + ".partial"
+    _STACKS_FD = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    faulthandler.register(signal.SIGUSR2, file=_STACKS_FD, all_threads=True)
+    os.rename(partial, path)
+
+
+_STACKS_FD = None
+
+
 def dump_stacks_on_request() -> None:
     """On SIGUSR1, write every thread's Python stack to stderr (file descriptor 2), even while
     the rank is blocked in C code (a collective): the runner asks before it kills a hung rank."""
@@ -264,6 +282,8 @@ def serve(jobs_fd: int, reply_fd: int) -> int:
         if not line:  # the runner closed the pipe: a spare worker that was never used
             return 0
         job = json.loads(line)
+        if job.get("stacks"):
+            probe_stacks_on_request(job["stacks"])
         os.environ.update(job["env"])
         out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -380,6 +400,9 @@ def main() -> int:
     die_with_parent()  # a fresh rank ends with the test process, even if that is killed outright
     become_subreaper()
     dump_stacks_on_request()
+    stacks = os.environ.pop("RANKRUN_STACKS_FILE", "")  # rankrun.launch.STACKS_VARIABLE
+    if stacks:
+        probe_stacks_on_request(stacks)
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
     return measured_run(snippet_coverage(), snippet, report_file, function)

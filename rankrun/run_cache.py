@@ -32,9 +32,12 @@ def cache_directory() -> Path | None:
 
 
 def run_key(snippet: str, world_size: int, entry_point: str | None, env: dict | None, fresh: bool,
-            kind: str = "run_snippet") -> str:
-    return json.dumps({"kind": kind, "snippet": snippet, "world_size": world_size, "entry_point": entry_point,
-                       "env": sorted((env or {}).items()), "fresh": fresh})
+            kind: str = "run_snippet", hang: dict | None = None) -> str:
+    key = {"kind": kind, "snippet": snippet, "world_size": world_size, "entry_point": entry_point,
+           "env": sorted((env or {}).items()), "fresh": fresh}
+    if hang is not None:  # a run watched for a hang ends otherwise than one left to its timeout
+        key["hang"] = hang
+    return json.dumps(key)
 
 
 def get_or_run(key: str, run: Callable[[], object], timeout: float, cacheable: bool = True,

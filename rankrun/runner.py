@@ -70,6 +70,7 @@ def run_snippet(
     grace: float = 3.0,
     env: dict[str, str] | None = None,
     fresh: bool = False,
+    hang=None,
 ) -> RunResult:
     """Run `snippet` on `world_size` local ranks; see the module docstring.
 
@@ -79,6 +80,8 @@ def run_snippet(
     the same run, and both return what main() returned.
     fresh: start new processes for this run instead of using the warm pool.
     env: extra environment variables for the ranks.
+    hang: a rankrun.hang.HangWatch: declare a hang of ranks waiting for each other as soon as the
+    evidence is complete (result.hung) instead of waiting for `timeout`.
 
     In a test session, an example under snippets/ runs once per distinct (snippet, world size,
     entry point, env, fresh): later calls get the same RunResult (rankrun.run_cache).
@@ -89,26 +92,26 @@ def run_snippet(
     call = call or guarded_function(path)
     shown = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     return run_cache.get_or_run(
-        run_cache.run_key(shown, world_size, call, env, fresh),
-        lambda: _run_now(path, world_size, call, timeout, grace, env, fresh),
+        run_cache.run_key(shown, world_size, call, env, fresh, hang=None if hang is None else hang.key()),
+        lambda: _run_now(path, world_size, call, timeout, grace, env, fresh, hang),
         timeout, cacheable=path.is_relative_to(SNIPPETS),
         timed_out=lambda result: result.timed_out,
         rank_seconds=lambda result: result.seconds * result.world_size,
     )
 
 
-def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool) -> RunResult:
+def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool, hang=None) -> RunResult:
     entry_point = (path, call, world_size, tuple(sorted((env or {}).items())), fresh)
     if _coverage_wanted(path) and entry_point not in _measured_runs:
         env = {**(env or {}), "SNIPPET_COVERAGE_THIS_RUN": "1"}
     first_attempt = None
     for _ in range(2):
         if fresh:
-            result = run_fresh(path, world_size, call, timeout, grace, env)
+            result = run_fresh(path, world_size, call, timeout, grace, env, hang)
         else:
             # The next run's ranks are forked while this one runs: a fork costs ~0.06 s per rank.
             result = pool_for_a_run(world_size).run(path, call, timeout, grace, env,
-                                                    while_it_runs=lambda: fork_a_spare(world_size))
+                                                    while_it_runs=lambda: fork_a_spare(world_size), hang=hang)
             fork_a_spare(world_size)  # if the run ended before its ranks all had the job
         if first_attempt is not None:
             result.retried_because = first_attempt.failure_report()
