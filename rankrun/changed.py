@@ -53,6 +53,23 @@ class Affected:
     labelled: set[str] = field(default_factory=set)  # snippets whose output a changed page shows
     site: bool = False
 
+    def may_select_file(self, path: str) -> bool:
+        """Whether some item of the test file `path` (from the project root) may be selected:
+        the others are not even collected (importing a test module can cost seconds)."""
+        if self.everything or path in self.test_files:
+            return True
+        if any(path == mirror_test(snippet) for snippet in self.snippets):
+            return True
+        if any(path == page_test(page) for page in self.pages):
+            return True
+        if path == "tests/test_snippets.py":
+            return bool(self.snippets or self.labelled)
+        if path in PAGE_CHECKS:
+            return bool(self.snippets or self.pages)
+        if path.startswith(SITE_TESTS):
+            return self.site or (bool(self.pages) and path == "tests/test_site.py")
+        return False
+
     def selects(self, nodeid: str) -> bool:
         if self.everything:
             return True

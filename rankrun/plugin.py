@@ -12,11 +12,18 @@ pyproject.toml, so every pytest run in the project has it, from any directory).
 - One run per distinct example run in the session (rankrun.run_cache, in that directory), and
   a summary line of the runs made.
 - The warm zygotes end with the session.
+- `@pytest.mark.kernel_independent(reason)`: a test whose outcome does not depend on PyTorch's
+  CPU kernels (a refusal, a hang, a message, a check of files). `.ci/run`'s second pass under
+  `ATEN_CPU_CAPABILITY=default` leaves these out (`-m "not kernel_independent"`), and the summary
+  lists each with its reason. So that the mark stays true, such a test fails when it compares
+  numbers: calls the tolerance policy (rankrun.tolerance), or compares an output that holds a
+  decimal number with `expect_output`.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import random
 import re
@@ -68,6 +75,10 @@ def remove_directories_of_ended_sessions(base: Path) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{KERNEL_INDEPENDENT}(reason): the test's outcome does not depend on PyTorch's CPU kernels "
+                   "(a refusal, a hang, a message, a check of files); .ci/run's second pass under "
+                   "ATEN_CPU_CAPABILITY=default leaves it out and lists it; the harness fails it if it compares numbers")
     if not hasattr(config, "workerinput"):  # pytest-xdist workers inherit TMPDIR
         base = Path(tempfile.gettempdir())
         remove_directories_of_ended_sessions(base)
@@ -93,6 +104,13 @@ def pytest_terminal_summary(terminalreporter, config):
         line = run_cache.summary(config.session_tmp / "runs")
         if line:
             terminalreporter.write_line(line)
+        left_out = left_out_as_kernel_independent(config.session_tmp)
+        if left_out:
+            terminalreporter.write_line(
+                f"left out as kernel_independent (-m {config.getoption('markexpr')!r}): {len(left_out)} tests "
+                f"whose outcome does not depend on the CPU kernels:")
+            for reason, nodeids in left_out.items():
+                terminalreporter.write_line(f"  {reason}: {len(nodeids)}: " + ", ".join(nodeids))
 
 
 def pytest_unconfigure(config):
@@ -120,13 +138,30 @@ def outputs_shown(page: str) -> list[str]:
             for _, output in outputs]
 
 
+def what_the_change_affects(config) -> changed.Affected:
+    """rankrun.changed.affected for this session's change (worked out once per process)."""
+    if not hasattr(config, "changed_affected"):
+        config.changed_files = changed.changed_files(ROOT, config.getoption("--changed-base"))
+        config.changed_affected = changed.affected(config.changed_files, pages_including, outputs_shown)
+    return config.changed_affected
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under --changed, a test module none of whose tests the change can select is not collected."""
+    if not config.getoption("--changed") or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or not collection_path.is_relative_to(ROOT):
+        return None
+    if what_the_change_affects(config).may_select_file(str(collection_path.relative_to(ROOT))):
+        return None
+    return True
+
+
 def select_what_the_change_affects(config, items) -> None:
-    files = changed.changed_files(ROOT, config.getoption("--changed-base"))
-    what = changed.affected(files, pages_including, outputs_shown)
+    what = what_the_change_affects(config)
     keep = [item for item in items if what.selects(item.nodeid)]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
-    config.changed_files = files
 
 
 def pytest_report_header(config):
@@ -222,8 +257,14 @@ def expect_output(request):
     (a failed run only for an example documented as failing, with the exception it shows)."""
     update = request.config.getoption("--update-outputs")
 
+    independent = kernel_independent_reason(request.node)
+
     def check(result: RunResult, output_file: Path) -> None:
         actual = result.transcript()
+        if independent is not None and DECIMAL.search(actual):
+            pytest.fail(f"{request.node.nodeid} is marked kernel_independent ({independent}), but the output it "
+                        f"compares holds decimal numbers, which the CPU kernels can change: "
+                        f"{DECIMAL.search(actual).group(0)!r} in {output_file.name}. Remove the mark.", pytrace=False)
         if update:
             refused = refuse_update(result, output_file)
             if refused:
@@ -241,3 +282,72 @@ def expect_output(request):
             pytest.fail(output_mismatch(result.name, output_file, expected, actual) + context, pytrace=False)
 
     return check
+
+
+# --- kernel_independent -----------------------------------------------------------------------
+
+KERNEL_INDEPENDENT = "kernel_independent"
+LEFT_OUT_LOG = "kernel-independent-left-out.jsonl"
+# A decimal number in a transcript (printed losses, norms, sums: what a kernel change can move),
+# not a dotted version such as 5.24.0.
+DECIMAL = re.compile(r"(?<![\d.])\d+\.\d+(?![\d.])")
+
+
+def kernel_independent_reason(item) -> str | None:
+    marker = item.get_closest_marker(KERNEL_INDEPENDENT)
+    if marker is None:
+        return None
+    reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+    if not reason:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.kernel_independent needs a reason")
+    return reason
+
+
+def pytest_deselected(items):
+    """Log the kernel-independent tests a marker expression left out (in the session's directory,
+    shared by the xdist workers; the main process lists them in its summary)."""
+    directory = os.environ.get(run_cache.ENVIRONMENT_VARIABLE)
+    left_out = [(item.nodeid, kernel_independent_reason(item)) for item in items
+                if item.get_closest_marker(KERNEL_INDEPENDENT) and item_deselected_by_marks(item)]
+    if not directory or not left_out:
+        return
+    log = Path(directory).parent / LEFT_OUT_LOG
+    with open(log, "a") as handle:
+        for nodeid, reason in left_out:
+            handle.write(json.dumps({"nodeid": nodeid, "reason": reason}) + "\n")
+
+
+def item_deselected_by_marks(item) -> bool:
+    """Whether `-m` deselected the item (not -k, --changed or the coverage gate)."""
+    from _pytest.mark import MarkMatcher
+    from _pytest.mark.expression import Expression
+
+    expression = item.config.getoption("markexpr")
+    return bool(expression) and not Expression.compile(expression).evaluate(MarkMatcher.from_markers(item.iter_markers()))
+
+
+def left_out_as_kernel_independent(session_tmp: Path) -> dict[str, list[str]]:
+    """reason -> the node ids left out, from the log the workers wrote."""
+    log = session_tmp / LEFT_OUT_LOG
+    grouped: dict[str, list[str]] = {}
+    if log.exists():
+        for entry in sorted({line for line in log.read_text().splitlines() if line}):
+            entry = json.loads(entry)
+            grouped.setdefault(entry["reason"], []).append(entry["nodeid"])
+    return grouped
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """While a kernel-independent test runs, comparing numbers fails it (rankrun.tolerance)."""
+    reason = kernel_independent_reason(item)
+    if reason is None:
+        yield
+        return
+    from rankrun import tolerance
+
+    tolerance.forbidden_because = f"{item.nodeid} is marked kernel_independent ({reason})"
+    try:
+        yield
+    finally:
+        tolerance.forbidden_because = None

@@ -30,21 +30,24 @@ children, before `run_snippet` returns; the next run starts a new pool.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from rankrun import run_cache
+from rankrun import run_cache, torchrun_coverage
 from rankrun.entry import guarded_function
 from rankrun.launch import resolve_snippet, run_fresh, torchrun_environment
 from rankrun.pool import (RankPool, close_pools, close_zygotes, fork_a_spare, pool_for_a_run, process_exists,
                           zygote_pids)
+from rankrun.pages import RUN_BY_TORCHRUN, RUN_FRESH, documented_world_size, runs_before
 from rankrun.project import ROOT, SNIPPETS, find_project_root, free_port
 from rankrun.results import DEEPSPEED_NOISE, RankResult, RunResult, SnippetFailed, printed_by_the_example
 
 # run_snippet on top of the layers below it (project, results, launch, pool, run_cache), and the
 # names tests and hooks use from them.
-__all__ = ["ABORT_AT_EXIT", "AbortedAtExit", "check_torchrun", "run_torchrun", "DEEPSPEED_NOISE", "ROOT", "SNIPPETS", "RankPool", "RankResult", "RunResult", "SnippetFailed",
+__all__ = ["ABORT_AT_EXIT", "AbortedAtExit", "check_torchrun", "documented_run", "run_torchrun", "torchrun_result", "DEEPSPEED_NOISE", "ROOT", "SNIPPETS", "RankPool", "RankResult", "RunResult", "SnippetFailed",
            "close_pools", "close_zygotes", "find_project_root", "free_port", "printed_by_the_example",
            "process_exists", "resolve_snippet", "run_fresh", "run_snippet", "torchrun_environment", "zygote_pids"]
 
@@ -138,14 +141,22 @@ class AbortedAtExit(AssertionError):
 def run_torchrun(snippet: str, nproc: int = 2, timeout: float = 600.0) -> subprocess.CompletedProcess:
     """The documented command `torchrun --nproc_per_node N SNIPPET`, run for real as a reader
     would (torchrun next to this interpreter, DS_ACCELERATOR=cpu, no OMP_NUM_THREADS of ours),
-    once per test session however many tests look at it (rankrun.run_cache)."""
+    once per test session however many tests look at it (rankrun.run_cache). For an example
+    whose documented run it is (rankrun.pages.RUN_BY_TORCHRUN), the snippet's line coverage is
+    measured in its ranks when the session measures it (rankrun.torchrun_coverage)."""
     def run() -> subprocess.CompletedProcess:
         env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
         env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()))
+        if snippet in RUN_BY_TORCHRUN and _coverage_wanted(ROOT / snippet):
+            env.update(torchrun_coverage.environment(env))
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), snippet]
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        done.seconds = time.monotonic() - started
+        return done
 
-    return run_cache.get_or_run(run_cache.run_key(snippet, nproc, None, None, True, kind="torchrun"), run, timeout)
+    return run_cache.get_or_run(run_cache.run_key(snippet, nproc, None, None, True, kind="torchrun"), run, timeout,
+                                rank_seconds=lambda done: getattr(done, "seconds", 0.0) * nproc)
 
 
 def check_torchrun(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -157,3 +168,53 @@ def check_torchrun(done: subprocess.CompletedProcess) -> subprocess.CompletedPro
             f"(\"An abort at exit\"), not a failure of the example.\n{done.stderr[-2000:]}")
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+# What torchrun puts before each line a rank wrote to stderr.
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+EXCEPTION_LINE = re.compile(r"^((?:\w+\.)*(\w+)): (.*)$")
+
+
+def torchrun_exception(stderr: str) -> dict | None:
+    """The last exception of rank 0's last traceback on torchrun's stderr (its lines carry
+    torchrun's `[rank0]:`; torchrun's own ChildFailedError traceback does not)."""
+    lines = [RANK_PREFIX.sub("", line) for line in stderr.splitlines() if RANK_PREFIX.match(line)]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:
+        match = EXCEPTION_LINE.match(line) if line and not line[0].isspace() else None
+        if match:
+            kind, name, message = match.groups()
+            return {"type": kind, "name": name, "message": message, "traceback": "\n".join(lines[starts[-1]:])}
+    return None
+
+
+def torchrun_result(snippet: str, done: subprocess.CompletedProcess) -> RunResult:
+    """A one-rank torchrun run as a RunResult (what tests and output files read): rank 0's
+    stdout and stderr are torchrun's, its exception the last one its traceback names.
+    One rank only: torchrun interleaves the stdout of several ranks."""
+    exception = torchrun_exception(done.stderr) if done.returncode != 0 else None
+    rank = RankResult(rank=0, pid=0, exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr,
+                      exception=exception)
+    return RunResult(snippet=ROOT / snippet, world_size=1, ranks=[rank], seconds=getattr(done, "seconds", 0.0),
+                     failed_first=[] if done.returncode == 0 else [0])
+
+
+def documented_run(snippet: str | os.PathLike, timeout: float = 120.0) -> RunResult:
+    """The snippet's run at its documented rank count, as every test that reads it shares it (made
+    once per test session): in the warm pool; in fresh processes for an example whose outcome
+    depends on what the process imported first (RUN_FRESH); through the documented torchrun
+    command itself where that is the run (RUN_BY_TORCHRUN). An example that reads what another
+    wrote (a checkpoint) says so in its docstring; that run comes first (its files stay in the
+    session's TMPDIR)."""
+    snippet = str(snippet)
+    for other, ranks in runs_before(Path(snippet)):
+        run_snippet(other, world_size=ranks, timeout=max(timeout, 120.0)).check()
+    world_size = documented_world_size(Path(snippet))
+    if snippet in RUN_BY_TORCHRUN:
+        if world_size != 1:
+            raise ValueError(f"{snippet}: a torchrun run is read as a RunResult on one rank only "
+                             f"(torchrun interleaves the stdout of {world_size})")
+        return torchrun_result(snippet, run_torchrun(snippet, 1, timeout=timeout))
+    return run_snippet(snippet, world_size=world_size, timeout=timeout, fresh=snippet in RUN_FRESH)

@@ -34,3 +34,19 @@ def test_a_changed_page_selects_the_label_checks_of_the_outputs_it_shows_only():
 
 def test_the_harness_selects_everything():
     assert affected(["rankrun/runner.py"], pages_including, outputs_shown).selects(OTHER_SNIPPET_ITEM)
+
+
+def test_only_the_files_that_may_hold_a_selected_test_are_collected():
+    """pytest_ignore_collect (rankrun.plugin) skips the other test modules: importing them
+    costs seconds in every worker, for nothing."""
+    page = affected([PAGE], pages_including, outputs_shown)
+    for path in ("tests/test_snippets.py", "tests/test_prose_literals.py", "tests/test_output_blocks.py",
+                 "tests/test_inventory.py", "tests/test_site.py"):
+        assert page.may_select_file(path), path
+    for path in ("tests/zero3/test_free_active_param.py", "tests/site/test_browser.py", "rankrun/tests/test_runner.py",
+                 "tests/test_versions.py"):
+        assert not page.may_select_file(path), path
+    snippet = affected([SNIPPET], pages_including, outputs_shown)
+    assert snippet.may_select_file("tests/zero3/test_free_active_param.py")
+    assert not snippet.may_select_file("tests/zero3/test_module_z3.py")
+    assert affected(["rankrun/runner.py"], pages_including, outputs_shown).may_select_file("tests/zero3/test_module_z3.py")

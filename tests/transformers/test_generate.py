@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from rankrun import marks
 from rankrun.hang import HangWatch
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
@@ -71,6 +72,7 @@ class HangTranscript:
         return "\n".join(lines) + "\n"
 
 
+@marks.hang
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_synced_gpus_false_hangs(world_size, expect_output):
     result = run_snippet(SNIPPET, world_size, call="unsynced", timeout=TIMEOUT, hang=HANG)
