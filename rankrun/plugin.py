@@ -107,7 +107,8 @@ def pytest_terminal_summary(terminalreporter, config):
         left_out = left_out_as_kernel_independent(config.session_tmp)
         if left_out:
             terminalreporter.write_line(
-                f"left out as kernel_independent (-m {config.getoption('markexpr')!r}): {len(left_out)} tests "
+                f"left out as kernel_independent (-m {config.getoption('markexpr')!r}): "
+                f"{sum(map(len, left_out.values()))} tests "
                 f"whose outcome does not depend on the CPU kernels:")
             for reason, nodeids in left_out.items():
                 terminalreporter.write_line(f"  {reason}: {len(nodeids)}: " + ", ".join(nodeids))
