@@ -76,6 +76,9 @@ def remove_directories_of_ended_sessions(base: Path) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "runs(*snippets): the examples a check of the machinery runs (real torchrun, say): "
+                   "--changed selects it when one of them changes (rankrun.changed)")
+    config.addinivalue_line(
         "markers", f"{KERNEL_INDEPENDENT}(reason): the test's outcome does not depend on PyTorch's CPU kernels "
                    "(a refusal, a hang, a message, a check of files); .ci/run's second pass under "
                    "ATEN_CPU_CAPABILITY=default leaves it out and lists it; the harness fails it if it compares numbers")
@@ -124,6 +127,7 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--changed"):
         select_what_the_change_affects(config, items)
+        warm_only_what_the_selection_runs(items)
     if config.getoption("--order") == "reverse":
         items.reverse()
     elif config.order_seed is not None:
@@ -147,6 +151,11 @@ def what_the_change_affects(config) -> changed.Affected:
     return config.changed_affected
 
 
+def examples_run_by(item) -> tuple[str, ...]:
+    """The examples a check of the machinery names with `@pytest.mark.runs("snippets/...py", ...)`."""
+    return tuple(arg for marker in item.iter_markers("runs") for arg in marker.args)
+
+
 def pytest_ignore_collect(collection_path, config):
     """Under --changed, a test module none of whose tests the change can select is not collected."""
     if not config.getoption("--changed") or collection_path.suffix != ".py":
@@ -160,9 +169,37 @@ def pytest_ignore_collect(collection_path, config):
 
 def select_what_the_change_affects(config, items) -> None:
     what = what_the_change_affects(config)
-    keep = [item for item in items if what.selects(item.nodeid)]
+    keep = [item for item in items if what.selects(item.nodeid, slow=item.get_closest_marker("slow") is not None,
+                                                     runs=examples_run_by(item))]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
+
+
+def examples_of(item) -> set[Path]:
+    """The examples a test item runs, as far as its name says: its module's mirror snippet
+    (tests/<topic>/test_<name>.py), the snippet in its id (tests/test_snippets.py)."""
+    path, _, rest = item.nodeid.partition("::")
+    found = set(re.findall(r"\[(snippets/[\w/.-]+\.py)\]", rest))
+    parts = Path(path).parts
+    if len(parts) >= 3 and parts[0] == "tests" and parts[-1].startswith("test_"):
+        found.add(str(Path("snippets", *parts[1:-1], parts[-1].removeprefix("test_"))))
+    return {ROOT / name for name in found if (ROOT / name).is_file()}
+
+
+def warm_only_what_the_selection_runs(items) -> None:
+    """Under --changed: when no selected test runs an example that imports Transformers, the warm
+    zygote of this process leaves Transformers out of its imports (speed only: a rank that needs
+    it imports it, as a fresh process does). Chosen before the zygote starts, with the first run."""
+    from rankrun import rank_main
+
+    if os.environ.get("RANKRUN_WARM_IMPORTS"):
+        return
+    examples = set().union(*(examples_of(item) for item in items)) if items else set()
+    if any(re.search(r"^\s*(?:import|from)\s+(?:transformers|accelerate|peft|trl)\b", path.read_text(), re.M)
+           for path in examples):
+        return
+    base = [name for name in rank_main.WARM_IMPORTS if name not in rank_main.TRANSFORMERS_IMPORTS]
+    os.environ["RANKRUN_WARM_IMPORTS"] = ",".join(base)
 
 
 def pytest_report_header(config):

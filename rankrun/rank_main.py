@@ -185,13 +185,15 @@ def dump_stacks_on_request() -> None:
 # list: torch and DeepSpeed import these lazily on first use (deepspeed.initialize
 # imports torch._dynamo and inductor through its optimizer check, ~3 s of CPU), and
 # a fresh process would import them just the same.
+# The Transformers page's examples: importing Trainer and T5 takes 10-20 s per process, once
+# here instead of in every rank of every run. A session that runs none of those examples (a
+# `--changed` run for a ZeRO-3 page, say) leaves them out (rankrun.plugin): 3 s of CPU here.
+TRANSFORMERS_IMPORTS = ["accelerate", "transformers.trainer", "transformers.models.t5.modeling_t5"]
 WARM_IMPORTS = [
     "torch", "deepspeed", "deepspeed.pipe", "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.zero.muon.muon_optimizer", "torch._dynamo", "torch._inductor.compile_fx",
     "torch.distributed.pipelining", "torch.distributed.fsdp",
-    # The Transformers page's examples: importing Trainer and T5 takes 10-20 s per process,
-    # once here instead of in every rank of every run.
-    "accelerate", "transformers.trainer", "transformers.models.t5.modeling_t5",
+    *TRANSFORMERS_IMPORTS,
 ]
 # What a warm rank has imported is not only a matter of speed: an example whose outcome depends
 # on a first import (a model class first imported inside deepspeed.zero.Init fails because that
