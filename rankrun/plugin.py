@@ -389,3 +389,36 @@ def pytest_runtest_call(item):
         yield
     finally:
         tolerance.forbidden_because = None
+
+
+# --- pytest-xdist: an example's tests on one worker -------------------------------------------
+
+# Items of these modules that name an example (in their id) run in the same worker as the
+# example's own test module, when that module is collected too: the run they share is made in
+# that worker, the other workers neither wait for it nor start a warm zygote for it.
+GROUPED_WITH_THE_EXAMPLE = ("tests/test_snippets.py", "tests/test_versions.py")
+EXAMPLE_IN_AN_ID = re.compile(r"\[(?:torchrun --nproc_per_node \d+ )?(snippets/[\w/.-]+\.py)\]")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (what tasks.py passes): files stay on one worker, as before, and each
+    example's items of GROUPED_WITH_THE_EXAMPLE go with the example's test module."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ExampleScheduling(LoadFileScheduling):
+        files: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            match = EXAMPLE_IN_AN_ID.search(nodeid) if path in GROUPED_WITH_THE_EXAMPLE else None
+            if match is None:
+                return path
+            if self.files is None:
+                self.files = {other.split("::", 1)[0] for other in self.collection or ()}
+            mirror = changed.mirror_test(match.group(1))
+            return mirror if mirror in self.files else path
+
+    return ExampleScheduling(config, log)
