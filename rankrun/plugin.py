@@ -117,8 +117,15 @@ def pytest_terminal_summary(terminalreporter, config):
                 terminalreporter.write_line(f"  {reason}: {len(nodeids)}: " + ", ".join(nodeids))
 
 
+# A path to keep the session's request log at (rankrun.run_cache), for benchmarks/suite_floor.py.
+KEEP_RUN_LOG = "RANKRUN_KEEP_RUN_LOG"
+
+
 def pytest_unconfigure(config):
     if hasattr(config, "session_tmp"):
+        kept = os.environ.get(KEEP_RUN_LOG)
+        if kept and (config.session_tmp / "runs" / "requests.jsonl").exists():
+            shutil.copyfile(config.session_tmp / "runs" / "requests.jsonl", kept)
         close_zygotes()  # their logs are in it
         shutil.rmtree(config.session_tmp, ignore_errors=True)
 

@@ -100,6 +100,8 @@ def run_snippet(
         timeout, cacheable=path.is_relative_to(SNIPPETS),
         timed_out=lambda result: result.timed_out,
         rank_seconds=lambda result: result.seconds * result.world_size,
+        outcome=lambda result: ("timed out" if result.timed_out else "hung" if result.hung
+                                else "ok" if result.ok else "failed"),
     )
 
 
@@ -156,7 +158,8 @@ def run_torchrun(snippet: str, nproc: int = 2, timeout: float = 600.0) -> subpro
         return done
 
     return run_cache.get_or_run(run_cache.run_key(snippet, nproc, None, None, True, kind="torchrun"), run, timeout,
-                                rank_seconds=lambda done: getattr(done, "seconds", 0.0) * nproc)
+                                rank_seconds=lambda done: getattr(done, "seconds", 0.0) * nproc,
+                                outcome=lambda done: "ok" if done.returncode == 0 else "failed")
 
 
 def check_torchrun(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
