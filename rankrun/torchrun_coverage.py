@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from rankrun.project import SNIPPETS
+from rankrun.project import SITECUSTOMIZE_CHAIN, SNIPPETS
 
 SITECUSTOMIZE = '''
 import os
@@ -29,14 +29,7 @@ def _measure():
         measured.save()
     atexit.register(save)
 _measure()
-# Chain to a sitecustomize that this one shadows, if there is one.
-import importlib.machinery, importlib.util, sys
-_here = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
-if _spec is not None and _spec.loader is not None:
-    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-'''
+''' + SITECUSTOMIZE_CHAIN
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:
