@@ -45,7 +45,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHON = ROOT / ".venv" / "bin" / "python"
+sys.path.insert(0, str(ROOT))
+import tasks  # noqa: E402 - the environment tasks.py gives what it runs
+
+PYTHON = tasks.PYTHON
+# What tasks.py gives its children (DS_ACCELERATOR, TORCH_EXTENSIONS_DIR, .venv/bin first on PATH):
+# a build run with another `ninja` first on PATH would rebuild DeepSpeed's op (docs/testing.md).
+ENVIRONMENT = tasks.environment()
 SUMMARY = re.compile(r"^(?:=+ )?(\d+ (?:passed|failed).*?) in ([\d.]+)s", re.M)
 RUNS = re.compile(r"^rankrun: .*$", re.M)
 DURATION = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(\S.*?)\s*$", re.M)
@@ -63,7 +69,7 @@ def children_cpu() -> float:
 
 def timed(command: list[str], env: dict | None = None) -> tuple[float, float, subprocess.CompletedProcess]:
     cpu, start = children_cpu(), time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**ENVIRONMENT, **(env or {})})
     return time.monotonic() - start, children_cpu() - cpu, done
 
 
@@ -97,7 +103,7 @@ IN_PROCESS = {
 
 
 def startup() -> None:
-    env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv" / "torch_extensions")}
+    env: dict[str, str] = {}
     before = load()
     wall, cpu, done = timed([sys.executable, "tasks.py", "install"])
     figure("tasks.py's environment check (`tasks.py install` on a ready .venv)", wall, cpu, before)
@@ -116,7 +122,7 @@ def startup() -> None:
         build = [str(PYTHON), "-m", "mkdocs", "build", "--strict", "--site-dir", site]
         for how, execute in (("the notebook's run executed", "always"), ("the notebook's cached run reused", "auto")):
             before = load()
-            wall, cpu, done = timed(build, {**env, "NO_MKDOCS_2_WARNING": "1", "NOTEBOOKS_EXECUTE": execute})
+            wall, cpu, done = timed(build, {"NOTEBOOKS_EXECUTE": execute})
             reused = "reusing the run" in done.stderr
             figure(f"the strict build, {how}", wall, cpu, before, note=f" (reused: {reused})")
             failed(done)

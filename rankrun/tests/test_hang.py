@@ -43,13 +43,13 @@ def test_ranks_waiting_for_each_other_are_declared_hung_after_the_quiet_interval
 def test_a_rank_that_computes_while_its_peer_waits_is_not_a_hang():
     """Even when every frame counts as blocked: rank 1's stack and CPU time change all along."""
     watch = HangWatch(quiet=QUIET, blocked=lambda frames: True)
-    result = run_snippet(CASES / "late_peer.py", 2, timeout=120, env={"SECONDS_BUSY": str(3 * QUIET)}, hang=watch)
+    result = run_snippet(CASES / "late_peer.py", 2, timeout=120, env={"SECONDS_BUSY": str(2 * QUIET + 1)}, hang=watch)
     assert result.ok and not result.hung, result.failure_report()
     assert result.output == "[rank 0] joined\n[rank 1] joined\n"
 
 
 def test_a_rank_stuck_outside_any_collective_is_left_to_the_timeout():
     """Rank 1 sleeps in plain Python (hang_on_rank1.py): not ranks waiting for each other."""
-    result = run_snippet(CASES / "hang_on_rank1.py", 2, timeout=3 * QUIET + 2, hang=HangWatch(quiet=QUIET))
+    result = run_snippet(CASES / "hang_on_rank1.py", 2, timeout=2 * QUIET + 1, hang=HangWatch(quiet=QUIET))
     assert result.timed_out and not result.hung, result.failure_report()
     assert all(rank.killed_by_runner and rank.stack for rank in result.ranks)
