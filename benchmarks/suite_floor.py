@@ -229,6 +229,9 @@ def whole_suite(command: list[str], name: str, target: float, env: dict | None =
         asked = requests(log)
     summary = SUMMARY.search(done.stdout)
     figure(name, wall, cpu, before, target, f"; pytest: {summary.group(1)} in {summary.group(2)} s" if summary else "")
+    kept = Path(tempfile.mkstemp(prefix="suite-floor-output-", suffix=".txt")[1])
+    kept.write_text(done.stdout + done.stderr)
+    print(f"  pytest's whole output: {kept}")
     runs = RUNS.search(done.stdout)
     if runs:
         print(f"  {runs.group(0)}")
