@@ -225,7 +225,8 @@ def whole_suite(command: list[str], name: str, target: float, env: dict | None =
     with tempfile.TemporaryDirectory(prefix="suite-floor-") as tmp:
         log = Path(tmp) / "requests.jsonl"
         before = load()
-        wall, cpu, done = timed(command + ["--durations=0"], {**(env or {}), "RANKRUN_KEEP_RUN_LOG": str(log)})
+        # -v: each test's outcome as it ends, so an interrupted run still says which tests failed
+        wall, cpu, done = timed(command + ["-v", "--durations=0"], {**(env or {}), "RANKRUN_KEEP_RUN_LOG": str(log)})
         asked = requests(log)
     summary = SUMMARY.search(done.stdout)
     figure(name, wall, cpu, before, target, f"; pytest: {summary.group(1)} in {summary.group(2)} s" if summary else "")
