@@ -416,6 +416,14 @@ def environment() -> dict[str, str]:
     env.setdefault("NO_MKDOCS_2_WARNING", "1")
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(own_extensions_dir()))
+    # The environment's bin/ first on PATH, as `source .venv/bin/activate` puts it for the README's
+    # torchrun: torch builds DeepSpeed's op with the first `ninja` on PATH. The venv's ninja (1.13,
+    # rapidhash, .ninja_log v7) and a system one (1.11 here, MurmurHash2, v5) hash a command
+    # differently, so each finds the other's log stale and rebuilds the op in place (30 s or
+    # more) every time a reader switches between `tasks.py test` and the activated torchrun.
+    bin_dir = str(VENV / "bin")
+    if env.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        env["PATH"] = os.pathsep.join([bin_dir, *filter(None, [env.get("PATH")])])
     return env
 
 

@@ -43,6 +43,8 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 from mkdocs.structure.toc import get_toc
 
+from rankrun.project import SITECUSTOMIZE_CHAIN  # standard library only
+
 log = logging.getLogger("mkdocs.hooks.notebooks")
 
 NOTEBOOKS = "notebooks/*.py"  # under docs/; nothing else under docs/ is a .py
@@ -80,14 +82,7 @@ def _install():
                 pass
     sys.addaudithook(audit)
 _install()
-# Chain to a sitecustomize that this one shadows, if there is one.
-import importlib.machinery, importlib.util
-_here = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
-if _spec is not None and _spec.loader is not None:
-    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-'''
+''' + SITECUSTOMIZE_CHAIN
 
 
 class NotebookFile(File):

@@ -8,7 +8,9 @@ files that are not ignored), or against `--changed-base REV`. From it:
   checks of every page that includes it;
 - a page (`docs/...md`): the page-level checks of that page (its items of the page checks, the
   test module named after it), the strict site build, and the label checks of the output files it
-  shows (`tests/test_snippets.py`, which run those examples);
+  shows (`tests/test_snippets.py`, which run those examples); not the slow checks of the machinery
+  among them (real torchrun's stderr, builds of broken copies), which a page's text cannot break
+  (they run when an example they name with `@pytest.mark.runs(...)` changes);
 - a test module: that module; the site's hooks, templates or the notebook: the site tests;
   the version data: `tests/test_versions.py`;
 - anything the whole suite rests on (the harness, `tasks.py`, the pins, `mkdocs.yml`,
@@ -53,12 +55,35 @@ class Affected:
     labelled: set[str] = field(default_factory=set)  # snippets whose output a changed page shows
     site: bool = False
 
-    def selects(self, nodeid: str) -> bool:
+    def may_select_file(self, path: str) -> bool:
+        """Whether some item of the test file `path` (from the project root) may be selected:
+        the others are not even collected (importing a test module can cost seconds)."""
+        if self.everything or path in self.test_files:
+            return True
+        if any(path == mirror_test(snippet) for snippet in self.snippets):
+            return True
+        if any(path == page_test(page) for page in self.pages):
+            return True
+        if path == "tests/test_snippets.py":
+            return bool(self.snippets or self.labelled)
+        if path in PAGE_CHECKS:
+            return bool(self.snippets or self.pages)
+        if path.startswith(SITE_TESTS):
+            return self.site or (bool(self.pages) and path == "tests/test_site.py")
+        return False
+
+    def selects(self, nodeid: str, slow: bool = False, runs: tuple[str, ...] = ()) -> bool:
+        """Whether the test `nodeid` is selected. `slow`: it is marked slow (a check of the
+        machinery: real torchrun, a broken copy's build); such a check among the page checks and
+        the site tests runs only for a change of its own module, of the site, or of an example it
+        runs (`runs`, from its `@pytest.mark.runs(...)`): a page's text cannot break it."""
         if self.everything:
             return True
         path, _, rest = nodeid.partition("::")
         if path in self.test_files:
             return True
+        if slow and (path in PAGE_CHECKS or path.startswith(SITE_TESTS)):
+            return self.site and path.startswith(SITE_TESTS) or any(snippet in self.snippets for snippet in runs)
         if any(path == mirror_test(snippet) for snippet in self.snippets):
             return True
         if any(path == page_test(page) for page in self.pages):

@@ -19,6 +19,8 @@ from rankrun.project import ROOT
 from rankrun.results import STACK_DUMP, RankResult, RunResult
 
 RANK_MAIN = Path(__file__).resolve().parent / "rank_main.py"
+# A fresh rank's file for the stacks a hang watcher asks for (rank_main.probe_stacks_on_request).
+STACKS_VARIABLE = "RANKRUN_STACKS_FILE"
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -95,10 +97,12 @@ class Waited:
     failed_first: list[int]  # the ranks seen failing first
     failed_at: float | None  # when (time.monotonic()), or None
     timed_out: bool
+    hung: bool = False  # a HangWatcher declared the hang (rankrun.hang)
 
 
-def wait_for_ranks(poll, world_size: int, deadline: float, grace: float) -> Waited:
-    """Poll every rank until all are done, one failed `grace` seconds ago, or the deadline passed.
+def wait_for_ranks(poll, world_size: int, deadline: float, grace: float, watch=None) -> Waited:
+    """Poll every rank until all are done, one failed `grace` seconds ago, the deadline passed,
+    or `watch` (a rankrun.hang.HangWatcher, called with the exit codes) declared a hang.
 
     poll(rank) gives the rank's exit code, or None while it runs.
     """
@@ -117,11 +121,13 @@ def wait_for_ranks(poll, world_size: int, deadline: float, grace: float) -> Wait
             return Waited(codes, failed_first, first_failure_at, False)
         if now > deadline:
             return Waited(codes, failed_first, first_failure_at, True)
+        if watch is not None and first_failure_at is None and watch(codes):
+            return Waited(codes, failed_first, first_failure_at, False, hung=True)
         time.sleep(0.01)
 
 
 def collect(path: Path, work: Path, codes: list, pids: list[int], still_running: set[int], started: float,
-            waited: Waited, timeout: float, port: int) -> RunResult:
+            waited: Waited, timeout: float, port: int, watcher=None) -> RunResult:
     """The RunResult of a finished run from the files its ranks wrote in `work`."""
     ranks = []
     world_size = len(pids)
@@ -148,10 +154,20 @@ def collect(path: Path, work: Path, codes: list, pids: list[int], still_running:
         snippet=path, world_size=world_size, ranks=ranks, seconds=time.monotonic() - started,
         timed_out=waited.timed_out, timeout=timeout, failed_first=waited.failed_first, port=port,
         first_failure_seconds=None if waited.failed_at is None else waited.failed_at - started,
+        hung=waited.hung, hang_evidence=watcher.evidence if watcher is not None and waited.hung else None,
     )
 
 
-def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, env) -> RunResult:
+def hang_watcher(hang, pids: dict[int, int], work: Path, started: float):
+    """A HangWatcher for the run when the caller asked for one (`hang`, a rankrun.hang.HangWatch)."""
+    if hang is None:
+        return None
+    from rankrun.hang import HangWatcher
+
+    return HangWatcher(hang, pids, work, started)
+
+
+def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, env, hang=None) -> RunResult:
     """One new process per rank, like torchrun: slow to start, nothing shared with earlier runs."""
     port = project.free_port()
     started = time.monotonic()
@@ -161,6 +177,8 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
         try:
             for rank in range(world_size):
                 rank_env = {**os.environ, **torchrun_environment(rank, world_size), "MASTER_PORT": str(port), **(env or {})}
+                if hang is not None:  # read and removed by rank_main before the snippet runs
+                    rank_env[STACKS_VARIABLE] = str(work / f"rank{rank}.stacks")
                 command = [sys.executable, str(RANK_MAIN), str(path), str(work / f"rank{rank}.report")]
                 if call:
                     command.append(call)
@@ -169,11 +187,13 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
                         command, cwd=ROOT, env=rank_env, stdin=subprocess.DEVNULL,
                         stdout=out, stderr=err, start_new_session=True,
                     ))
-            waited = wait_for_ranks(lambda rank: processes[rank].poll(), world_size, started + timeout, grace)
+            watcher = hang_watcher(hang, {r: p.pid for r, p in enumerate(processes)}, work, started)
+            waited = wait_for_ranks(lambda rank: processes[rank].poll(), world_size, started + timeout, grace, watcher)
         finally:
             still_running = {r for r, process in enumerate(processes) if process.poll() is None}
             ask_for_stacks({r: processes[r].pid for r in still_running}, work)
             for process in processes:
                 kill_group(process)
         codes = [process.returncode for process in processes]
-        return collect(path, work, codes, [p.pid for p in processes], still_running, started, waited, timeout, port)
+        return collect(path, work, codes, [p.pid for p in processes], still_running, started, waited, timeout, port,
+                       watcher)

@@ -29,6 +29,13 @@ RUN_FRESH = frozenset({
     "snippets/transformers/import_first_zero_init.py",
     "snippets/transformers/hf_config_zero_init.py",
 })
+# Examples whose documented run is the documented `torchrun` command itself, one rank: every test
+# that reads the run reads that one (rankrun.runner.documented_run). first_imports_inside_zero_init
+# starts ten new interpreters of its own, and only under torchrun do they inherit its
+# TORCHELASTIC_* variables, which its test is about: one run of them, not two.
+RUN_BY_TORCHRUN = frozenset({
+    "snippets/transformers/first_imports_inside_zero_init.py",
+})
 
 
 def all_snippets() -> list[Path]:

@@ -12,11 +12,18 @@ pyproject.toml, so every pytest run in the project has it, from any directory).
 - One run per distinct example run in the session (rankrun.run_cache, in that directory), and
   a summary line of the runs made.
 - The warm zygotes end with the session.
+- `@pytest.mark.kernel_independent(reason)`: a test whose outcome does not depend on PyTorch's
+  CPU kernels (a refusal, a hang, a message, a check of files). `.ci/run`'s second pass under
+  `ATEN_CPU_CAPABILITY=default` leaves these out (`-m "not kernel_independent"`), and the summary
+  lists each with its reason. So that the mark stays true, such a test fails when it compares
+  numbers: calls the tolerance policy (rankrun.tolerance), or compares an output that holds a
+  decimal number with `expect_output`.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import random
 import re
@@ -68,6 +75,13 @@ def remove_directories_of_ended_sessions(base: Path) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "runs(*snippets): the examples a check of the machinery runs (real torchrun, say): "
+                   "--changed selects it when one of them changes (rankrun.changed)")
+    config.addinivalue_line(
+        "markers", f"{KERNEL_INDEPENDENT}(reason): the test's outcome does not depend on PyTorch's CPU kernels "
+                   "(a refusal, a hang, a message, a check of files); .ci/run's second pass under "
+                   "ATEN_CPU_CAPABILITY=default leaves it out and lists it; the harness fails it if it compares numbers")
     if not hasattr(config, "workerinput"):  # pytest-xdist workers inherit TMPDIR
         base = Path(tempfile.gettempdir())
         remove_directories_of_ended_sessions(base)
@@ -93,10 +107,25 @@ def pytest_terminal_summary(terminalreporter, config):
         line = run_cache.summary(config.session_tmp / "runs")
         if line:
             terminalreporter.write_line(line)
+        left_out = left_out_as_kernel_independent(config.session_tmp)
+        if left_out:
+            terminalreporter.write_line(
+                f"left out as kernel_independent (-m {config.getoption('markexpr')!r}): "
+                f"{sum(map(len, left_out.values()))} tests "
+                f"whose outcome does not depend on the CPU kernels:")
+            for reason, nodeids in left_out.items():
+                terminalreporter.write_line(f"  {reason}: {len(nodeids)}: " + ", ".join(nodeids))
+
+
+# A path to keep the session's request log at (rankrun.run_cache), for benchmarks/suite_floor.py.
+KEEP_RUN_LOG = "RANKRUN_KEEP_RUN_LOG"
 
 
 def pytest_unconfigure(config):
     if hasattr(config, "session_tmp"):
+        kept = os.environ.get(KEEP_RUN_LOG)
+        if kept and (config.session_tmp / "runs" / "requests.jsonl").exists():
+            shutil.copyfile(config.session_tmp / "runs" / "requests.jsonl", kept)
         close_zygotes()  # their logs are in it
         shutil.rmtree(config.session_tmp, ignore_errors=True)
 
@@ -105,6 +134,7 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--changed"):
         select_what_the_change_affects(config, items)
+        warm_only_what_the_selection_runs(items)
     if config.getoption("--order") == "reverse":
         items.reverse()
     elif config.order_seed is not None:
@@ -120,13 +150,63 @@ def outputs_shown(page: str) -> list[str]:
             for _, output in outputs]
 
 
+def what_the_change_affects(config) -> changed.Affected:
+    """rankrun.changed.affected for this session's change (worked out once per process)."""
+    if not hasattr(config, "changed_affected"):
+        config.changed_files = changed.changed_files(ROOT, config.getoption("--changed-base"))
+        config.changed_affected = changed.affected(config.changed_files, pages_including, outputs_shown)
+    return config.changed_affected
+
+
+def examples_run_by(item) -> tuple[str, ...]:
+    """The examples a check of the machinery names with `@pytest.mark.runs("snippets/...py", ...)`."""
+    return tuple(arg for marker in item.iter_markers("runs") for arg in marker.args)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under --changed, a test module none of whose tests the change can select is not collected."""
+    if not config.getoption("--changed") or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or not collection_path.is_relative_to(ROOT):
+        return None
+    if what_the_change_affects(config).may_select_file(str(collection_path.relative_to(ROOT))):
+        return None
+    return True
+
+
 def select_what_the_change_affects(config, items) -> None:
-    files = changed.changed_files(ROOT, config.getoption("--changed-base"))
-    what = changed.affected(files, pages_including, outputs_shown)
-    keep = [item for item in items if what.selects(item.nodeid)]
+    what = what_the_change_affects(config)
+    keep = [item for item in items if what.selects(item.nodeid, slow=item.get_closest_marker("slow") is not None,
+                                                     runs=examples_run_by(item))]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
-    config.changed_files = files
+
+
+def examples_of(item) -> set[Path]:
+    """The examples a test item runs, as far as its name says: its module's mirror snippet
+    (tests/<topic>/test_<name>.py), the snippet in its id (tests/test_snippets.py)."""
+    path, _, rest = item.nodeid.partition("::")
+    found = set(re.findall(r"\[(snippets/[\w/.-]+\.py)\]", rest))
+    parts = Path(path).parts
+    if len(parts) >= 3 and parts[0] == "tests" and parts[-1].startswith("test_"):
+        found.add(str(Path("snippets", *parts[1:-1], parts[-1].removeprefix("test_"))))
+    return {ROOT / name for name in found if (ROOT / name).is_file()}
+
+
+def warm_only_what_the_selection_runs(items) -> None:
+    """Under --changed: when no selected test runs an example that imports Transformers, the warm
+    zygote of this process leaves Transformers out of its imports (speed only: a rank that needs
+    it imports it, as a fresh process does). Chosen before the zygote starts, with the first run."""
+    from rankrun import rank_main
+
+    if os.environ.get("RANKRUN_WARM_IMPORTS"):
+        return
+    examples = set().union(*(examples_of(item) for item in items)) if items else set()
+    if any(re.search(r"^\s*(?:import|from)\s+(?:transformers|accelerate|peft|trl)\b", path.read_text(), re.M)
+           for path in examples):
+        return
+    base = [name for name in rank_main.WARM_IMPORTS if name not in rank_main.TRANSFORMERS_IMPORTS]
+    os.environ["RANKRUN_WARM_IMPORTS"] = ",".join(base)
 
 
 def pytest_report_header(config):
@@ -222,8 +302,14 @@ def expect_output(request):
     (a failed run only for an example documented as failing, with the exception it shows)."""
     update = request.config.getoption("--update-outputs")
 
+    independent = kernel_independent_reason(request.node)
+
     def check(result: RunResult, output_file: Path) -> None:
         actual = result.transcript()
+        if independent is not None and DECIMAL.search(actual):
+            pytest.fail(f"{request.node.nodeid} is marked kernel_independent ({independent}), but the output it "
+                        f"compares holds decimal numbers, which the CPU kernels can change: "
+                        f"{DECIMAL.search(actual).group(0)!r} in {output_file.name}. Remove the mark.", pytrace=False)
         if update:
             refused = refuse_update(result, output_file)
             if refused:
@@ -241,3 +327,105 @@ def expect_output(request):
             pytest.fail(output_mismatch(result.name, output_file, expected, actual) + context, pytrace=False)
 
     return check
+
+
+# --- kernel_independent -----------------------------------------------------------------------
+
+KERNEL_INDEPENDENT = "kernel_independent"
+LEFT_OUT_LOG = "kernel-independent-left-out.jsonl"
+# A decimal number in a transcript (printed losses, norms, sums: what a kernel change can move),
+# not a dotted version such as 5.24.0.
+DECIMAL = re.compile(r"(?<![\d.])\d+\.\d+(?![\d.])")
+
+
+def kernel_independent_reason(item) -> str | None:
+    marker = item.get_closest_marker(KERNEL_INDEPENDENT)
+    if marker is None:
+        return None
+    reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+    if not reason:
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.kernel_independent needs a reason")
+    return reason
+
+
+def pytest_deselected(items):
+    """Log the kernel-independent tests a marker expression left out (in the session's directory,
+    shared by the xdist workers; the main process lists them in its summary)."""
+    directory = os.environ.get(run_cache.ENVIRONMENT_VARIABLE)
+    left_out = [(item.nodeid, kernel_independent_reason(item)) for item in items
+                if item.get_closest_marker(KERNEL_INDEPENDENT) and item_deselected_by_marks(item)]
+    if not directory or not left_out:
+        return
+    log = Path(directory).parent / LEFT_OUT_LOG
+    with open(log, "a") as handle:
+        for nodeid, reason in left_out:
+            handle.write(json.dumps({"nodeid": nodeid, "reason": reason}) + "\n")
+
+
+def item_deselected_by_marks(item) -> bool:
+    """Whether `-m` deselected the item (not -k, --changed or the coverage gate)."""
+    from _pytest.mark import MarkMatcher
+    from _pytest.mark.expression import Expression
+
+    expression = item.config.getoption("markexpr")
+    return bool(expression) and not Expression.compile(expression).evaluate(MarkMatcher.from_markers(item.iter_markers()))
+
+
+def left_out_as_kernel_independent(session_tmp: Path) -> dict[str, list[str]]:
+    """reason -> the node ids left out, from the log the workers wrote."""
+    log = session_tmp / LEFT_OUT_LOG
+    grouped: dict[str, list[str]] = {}
+    if log.exists():
+        for entry in sorted({line for line in log.read_text().splitlines() if line}):
+            entry = json.loads(entry)
+            grouped.setdefault(entry["reason"], []).append(entry["nodeid"])
+    return grouped
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """While a kernel-independent test runs, comparing numbers fails it (rankrun.tolerance)."""
+    reason = kernel_independent_reason(item)
+    if reason is None:
+        yield
+        return
+    from rankrun import tolerance
+
+    tolerance.forbidden_because = f"{item.nodeid} is marked kernel_independent ({reason})"
+    try:
+        yield
+    finally:
+        tolerance.forbidden_because = None
+
+
+# --- pytest-xdist: an example's tests on one worker -------------------------------------------
+
+# Items of these modules that name an example (in their id) run in the same worker as the
+# example's own test module, when that module is collected too: the run they share is made in
+# that worker, the other workers neither wait for it nor start a warm zygote for it.
+GROUPED_WITH_THE_EXAMPLE = ("tests/test_snippets.py", "tests/test_versions.py")
+EXAMPLE_IN_AN_ID = re.compile(r"\[(?:torchrun --nproc_per_node \d+ )?(snippets/[\w/.-]+\.py)\]")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (what tasks.py passes): files stay on one worker, as before, and each
+    example's items of GROUPED_WITH_THE_EXAMPLE go with the example's test module."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ExampleScheduling(LoadFileScheduling):
+        files: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            match = EXAMPLE_IN_AN_ID.search(nodeid) if path in GROUPED_WITH_THE_EXAMPLE else None
+            if match is None:
+                return path
+            if self.files is None:
+                self.files = {other.split("::", 1)[0] for other in self.collection or ()}
+            mirror = changed.mirror_test(match.group(1))
+            return mirror if mirror in self.files else path
+
+    return ExampleScheduling(config, log)

@@ -18,7 +18,8 @@ from pathlib import Path
 import psutil
 
 from rankrun import project
-from rankrun.launch import RANK_MAIN, ask_for_stacks, collect, kill_group, torchrun_environment, wait_for_ranks
+from rankrun.launch import (RANK_MAIN, ask_for_stacks, collect, hang_watcher, kill_group, torchrun_environment,
+                            wait_for_ranks)
 from rankrun.project import ROOT
 from rankrun.results import RunResult, tail
 
@@ -271,9 +272,10 @@ class RankPool:
                 return
             time.sleep(0.002)
 
-    def run(self, path: Path, call, timeout: float, grace: float, env, while_it_runs=None) -> RunResult:
+    def run(self, path: Path, call, timeout: float, grace: float, env, while_it_runs=None, hang=None) -> RunResult:
         """Run the job on every worker, once; the workers end with it. `while_it_runs` is called
-        once every rank has its job (the runner forks the next run's ranks then)."""
+        once every rank has its job (the runner forks the next run's ranks then); `hang` (a
+        rankrun.hang.HangWatch) declares a hang of ranks waiting for each other."""
         try:
             self.wait_until_ready()
         except BaseException:
@@ -292,6 +294,7 @@ class RankPool:
                         "report": str(work / f"rank{rank}.report"),
                         "stdout": str(work / f"rank{rank}.stdout"), "stderr": str(work / f"rank{rank}.stderr"),
                         "env": {"MASTER_PORT": str(port), **(env or {})},
+                        "stacks": str(work / f"rank{rank}.stacks") if hang is not None else "",
                     }
                     worker.stdin.write((json.dumps(job) + "\n").encode())
                     worker.stdin.flush()
@@ -309,7 +312,8 @@ class RankPool:
                             codes[rank] = self.workers[rank].returncode
                     return codes[rank]
 
-                waited = wait_for_ranks(poll, self.world_size, started + timeout, grace)
+                watcher = hang_watcher(hang, {r: w.pid for r, w in enumerate(self.workers)}, work, started)
+                waited = wait_for_ranks(poll, self.world_size, started + timeout, grace, watcher)
             finally:
                 still_running = {r for r in range(self.world_size) if codes[r] is None}
                 ask_for_stacks({r: self.workers[r].pid for r in still_running}, work)
@@ -320,7 +324,7 @@ class RankPool:
                 for stream in ("stdout", "stderr"):
                     (work / f"rank{rank}.{stream}").touch()
             result = collect(path, work, codes, [w.pid for w in self.workers], still_running, started, waited,
-                             timeout, port)
+                             timeout, port, watcher)
         return result
 
     def close(self) -> None:

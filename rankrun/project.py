@@ -41,6 +41,18 @@ def without_addresses(text: str) -> str:
     return MEMORY_ADDRESS.sub("0x…", text)
 
 
+# The end of a `sitecustomize.py` put first on PYTHONPATH to observe the processes of a run (the
+# notebook hook's reads log, coverage in torchrun's ranks): go on to the sitecustomize it shadows.
+SITECUSTOMIZE_CHAIN = '''
+import importlib.machinery, importlib.util, os, sys
+_here = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+'''
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -188,6 +188,24 @@ def become_subreaper() -> None:
     ctypes.CDLL(None).prctl(36, 1)
 
 
+def probe_stacks_on_request(path: str) -> None:
+    """On SIGUSR2, append every thread's Python stack to `path`: the runner's hang watcher
+    (rankrun/hang.py) looks at a rank this way while it runs, without touching its stderr.
+    The file appears under its name only once the handler is in place (an early SIGUSR2 would
+    end the process), so the watcher asks only a rank whose file exists."""
+    import faulthandler
+    import signal
+
+    global _STACKS_FD
+    partial = path + ".partial"
+    _STACKS_FD = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    faulthandler.register(signal.SIGUSR2, file=_STACKS_FD, all_threads=True)
+    os.rename(partial, path)
+
+
+_STACKS_FD = None
+
+
 def dump_stacks_on_request() -> None:
     """On SIGUSR1, write every thread's Python stack to stderr (file descriptor 2), even while
     the rank is blocked in C code (a collective): the runner asks before it kills a hung rank."""
@@ -201,13 +219,15 @@ def dump_stacks_on_request() -> None:
 # list: torch and DeepSpeed import these lazily on first use (deepspeed.initialize
 # imports torch._dynamo and inductor through its optimizer check, ~3 s of CPU), and
 # a fresh process would import them just the same.
+# The Transformers page's examples: importing Trainer and T5 takes 10-20 s per process, once
+# here instead of in every rank of every run. A session that runs none of those examples (a
+# `--changed` run for a ZeRO-3 page, say) leaves them out (rankrun.plugin): 3 s of CPU here.
+TRANSFORMERS_IMPORTS = ["accelerate", "transformers.trainer", "transformers.models.t5.modeling_t5"]
 WARM_IMPORTS = [
     "torch", "deepspeed", "deepspeed.pipe", "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.zero.muon.muon_optimizer", "torch._dynamo", "torch._inductor.compile_fx",
     "torch.distributed.pipelining", "torch.distributed.fsdp",
-    # The Transformers page's examples: importing Trainer and T5 takes 10-20 s per process,
-    # once here instead of in every rank of every run.
-    "accelerate", "transformers.trainer", "transformers.models.t5.modeling_t5",
+    *TRANSFORMERS_IMPORTS,
 ]
 # What a warm rank has imported is not only a matter of speed: an example whose outcome depends
 # on a first import (a model class first imported inside deepspeed.zero.Init fails because that
@@ -298,6 +318,8 @@ def serve(jobs_fd: int, reply_fd: int) -> int:
         if not line:  # the runner closed the pipe: a spare worker that was never used
             return 0
         job = json.loads(line)
+        if job.get("stacks"):
+            probe_stacks_on_request(job["stacks"])
         os.environ.update(job["env"])
         out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         err = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -414,6 +436,9 @@ def main() -> int:
     die_with_parent()  # a fresh rank ends with the test process, even if that is killed outright
     become_subreaper()
     dump_stacks_on_request()
+    stacks = os.environ.pop("RANKRUN_STACKS_FILE", "")  # rankrun.launch.STACKS_VARIABLE
+    if stacks:
+        probe_stacks_on_request(stacks)
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
     code = measured_run(snippet_coverage(), snippet, report_file, function)

@@ -93,6 +93,8 @@ class RunResult:
     port: int = 0  # MASTER_PORT of the run
     first_failure_seconds: float | None = None  # when the runner first saw a rank fail, from the start
     retried_because: str | None = None  # the failure report of a first attempt whose port was taken
+    hung: bool = False  # declared hung by a hang watch (rankrun.hang): ranks waiting for each other
+    hang_evidence: Any = None  # rankrun.hang.HangEvidence of a hung run
 
     @property
     def port_was_taken(self) -> bool:
@@ -100,7 +102,7 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and all(rank.ok for rank in self.ranks)
+        return not self.timed_out and not self.hung and all(rank.ok for rank in self.ranks)
 
     @property
     def name(self) -> str:
@@ -147,6 +149,8 @@ class RunResult:
         head = f"{self.name} failed on {self.world_size} ranks after {self.seconds:.1f}s"
         if self.timed_out:
             head += f": timed out after {self.timeout:.0f}s"
+        if self.hung and self.hang_evidence is not None:
+            head += f": {self.hang_evidence.describe()}"
         parts = [head]
         pages = self.pages()
         if pages:

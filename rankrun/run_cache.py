@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import pickle
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,14 +33,18 @@ def cache_directory() -> Path | None:
 
 
 def run_key(snippet: str, world_size: int, entry_point: str | None, env: dict | None, fresh: bool,
-            kind: str = "run_snippet") -> str:
-    return json.dumps({"kind": kind, "snippet": snippet, "world_size": world_size, "entry_point": entry_point,
-                       "env": sorted((env or {}).items()), "fresh": fresh})
+            kind: str = "run_snippet", hang: dict | None = None) -> str:
+    key = {"kind": kind, "snippet": snippet, "world_size": world_size, "entry_point": entry_point,
+           "env": sorted((env or {}).items()), "fresh": fresh}
+    if hang is not None:  # a run watched for a hang ends otherwise than one left to its timeout
+        key["hang"] = hang
+    return json.dumps(key)
 
 
 def get_or_run(key: str, run: Callable[[], object], timeout: float, cacheable: bool = True,
                timed_out: Callable[[object], bool] = lambda result: False,
-               rank_seconds: Callable[[object], float] = lambda result: 0.0):
+               rank_seconds: Callable[[object], float] = lambda result: 0.0,
+               outcome: Callable[[object], str] = lambda result: ""):
     """The result of `run()` for `key`: made now, or read from the run another test made.
 
     A cached run that timed out under a shorter timeout than this request's is made again
@@ -47,9 +52,11 @@ def get_or_run(key: str, run: Callable[[], object], timeout: float, cacheable: b
     which a distinct run is made twice, and the session's summary shows it.
     """
     directory = cache_directory()
+    asked = time.monotonic()
     if directory is None or not cacheable:
         result = run()
-        _log(directory, key, made=True, cached=False, seconds=rank_seconds(result))
+        _log(directory, key, made=True, cached=False, seconds=rank_seconds(result), wall=time.monotonic() - asked,
+             ended=outcome(result))
         return result
     directory.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:24]
@@ -60,22 +67,30 @@ def get_or_run(key: str, run: Callable[[], object], timeout: float, cacheable: b
             with open(stored, "rb") as handle:
                 made_with, result = pickle.load(handle)
             if not (timed_out(result) and timeout > made_with):
-                _log(directory, key, made=False, cached=True, seconds=0.0)
+                # wall: how long this request waited for another worker that was making the run
+                _log(directory, key, made=False, cached=True, seconds=0.0, wall=time.monotonic() - asked)
                 return result
         result = run()
         partial = stored.with_suffix(".partial")
         with open(partial, "wb") as handle:
             pickle.dump((timeout, result), handle)
         partial.replace(stored)
-        _log(directory, key, made=True, cached=True, seconds=rank_seconds(result))
+        _log(directory, key, made=True, cached=True, seconds=rank_seconds(result), wall=time.monotonic() - asked,
+             ended=outcome(result))
         return result
 
 
-def _log(directory: Path | None, key: str, made: bool, cached: bool, seconds: float) -> None:
+def _log(directory: Path | None, key: str, made: bool, cached: bool, seconds: float, wall: float = 0.0,
+         ended: str = "") -> None:
+    """One line per request: besides what the summary counts, the test that asked (pytest's
+    PYTEST_CURRENT_TEST), the wall time the request took and how a run made now ended
+    ("ok", "failed", "timed out", "hung"), for benchmarks/suite_floor.py."""
     if directory is None:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"key": key, "made": made, "cached": cached, "rank_seconds": round(seconds, 3)})
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    line = json.dumps({"key": key, "made": made, "cached": cached, "rank_seconds": round(seconds, 3),
+                       "wall": round(wall, 3), "test": test, "ended": ended})
     with open(directory / "requests.jsonl", "a") as log:  # one short write: atomic with O_APPEND
         log.write(line + "\n")
 

@@ -33,19 +33,21 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from rankrun import run_cache
+from rankrun import run_cache, torchrun_coverage
 from rankrun.entry import guarded_function
 from rankrun.launch import resolve_snippet, run_fresh, torchrun_environment
 from rankrun.pool import (RankPool, close_pools, close_zygotes, fork_a_spare, pool_for_a_run, process_exists,
                           zygote_pids)
+from rankrun.pages import RUN_BY_TORCHRUN, RUN_FRESH, documented_world_size, runs_before
 from rankrun.project import ROOT, SNIPPETS, find_project_root, free_port
 from rankrun.results import DEEPSPEED_NOISE, RankResult, RunResult, SnippetFailed, printed_by_the_example
 
 # run_snippet on top of the layers below it (project, results, launch, pool, run_cache), and the
 # names tests and hooks use from them.
-__all__ = ["check_torchrun", "run_torchrun", "DEEPSPEED_NOISE", "ROOT", "SNIPPETS", "RankPool", "RankResult", "RunResult", "SnippetFailed",
+__all__ = ["check_torchrun", "documented_run", "run_torchrun", "torchrun_result", "DEEPSPEED_NOISE", "ROOT", "SNIPPETS", "RankPool", "RankResult", "RunResult", "SnippetFailed",
            "close_pools", "close_zygotes", "find_project_root", "free_port", "printed_by_the_example",
            "process_exists", "resolve_snippet", "run_fresh", "run_snippet", "torchrun_environment", "zygote_pids"]
 
@@ -71,6 +73,7 @@ def run_snippet(
     grace: float = 3.0,
     env: dict[str, str] | None = None,
     fresh: bool = False,
+    hang=None,
 ) -> RunResult:
     """Run `snippet` on `world_size` local ranks; see the module docstring.
 
@@ -80,6 +83,8 @@ def run_snippet(
     the same run, and both return what main() returned.
     fresh: start new processes for this run instead of using the warm pool.
     env: extra environment variables for the ranks.
+    hang: a rankrun.hang.HangWatch: declare a hang of ranks waiting for each other as soon as the
+    evidence is complete (result.hung) instead of waiting for `timeout`.
 
     In a test session, an example under snippets/ runs once per distinct (snippet, world size,
     entry point, env, fresh): later calls get the same RunResult (rankrun.run_cache).
@@ -90,26 +95,28 @@ def run_snippet(
     call = call or guarded_function(path)
     shown = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     return run_cache.get_or_run(
-        run_cache.run_key(shown, world_size, call, env, fresh),
-        lambda: _run_now(path, world_size, call, timeout, grace, env, fresh),
+        run_cache.run_key(shown, world_size, call, env, fresh, hang=None if hang is None else hang.key()),
+        lambda: _run_now(path, world_size, call, timeout, grace, env, fresh, hang),
         timeout, cacheable=path.is_relative_to(SNIPPETS),
         timed_out=lambda result: result.timed_out,
         rank_seconds=lambda result: result.seconds * result.world_size,
+        outcome=lambda result: ("timed out" if result.timed_out else "hung" if result.hung
+                                else "ok" if result.ok else "failed"),
     )
 
 
-def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool) -> RunResult:
+def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool, hang=None) -> RunResult:
     entry_point = (path, call, world_size, tuple(sorted((env or {}).items())), fresh)
     if _coverage_wanted(path) and entry_point not in _measured_runs:
         env = {**(env or {}), "SNIPPET_COVERAGE_THIS_RUN": "1"}
     first_attempt = None
     for _ in range(2):
         if fresh:
-            result = run_fresh(path, world_size, call, timeout, grace, env)
+            result = run_fresh(path, world_size, call, timeout, grace, env, hang)
         else:
             # The next run's ranks are forked while this one runs: a fork costs ~0.06 s per rank.
             result = pool_for_a_run(world_size).run(path, call, timeout, grace, env,
-                                                    while_it_runs=lambda: fork_a_spare(world_size))
+                                                    while_it_runs=lambda: fork_a_spare(world_size), hang=hang)
             fork_a_spare(world_size)  # if the run ended before its ranks all had the job
         if first_attempt is not None:
             result.retried_because = first_attempt.failure_report()
@@ -134,15 +141,24 @@ def run_torchrun(snippet: str, nproc: int = 2, timeout: float = 600.0) -> subpro
     """The documented command `torchrun --nproc_per_node N SNIPPET`, run for real as a reader
     would (torchrun next to this interpreter, DS_ACCELERATOR=cpu, no OMP_NUM_THREADS of ours),
     once per test session however many tests look at it (rankrun.run_cache). A rank that gets
-    a fatal signal as it exits prints its C++ stacks (STACKS_AT_ABORT), for check_torchrun."""
+    a fatal signal as it exits prints its C++ stacks (STACKS_AT_ABORT), for check_torchrun. For
+    an example whose documented run it is (rankrun.pages.RUN_BY_TORCHRUN), the snippet's line
+    coverage is measured in its ranks when the session measures it (rankrun.torchrun_coverage)."""
     def run() -> subprocess.CompletedProcess:
         env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
         env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(STACKS_AT_ABORT), env.get("PYTHONPATH")])))
+        if snippet in RUN_BY_TORCHRUN and _coverage_wanted(ROOT / snippet):
+            env.update(torchrun_coverage.environment(env))
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), snippet]
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        done.seconds = time.monotonic() - started
+        return done
 
-    return run_cache.get_or_run(run_cache.run_key(snippet, nproc, None, None, True, kind="torchrun"), run, timeout)
+    return run_cache.get_or_run(run_cache.run_key(snippet, nproc, None, None, True, kind="torchrun"), run, timeout,
+                                rank_seconds=lambda done: getattr(done, "seconds", 0.0) * nproc,
+                                outcome=lambda done: "ok" if done.returncode == 0 else "failed")
 
 
 def aborted_thread(stderr: str) -> str:
@@ -173,3 +189,53 @@ def check_torchrun(done: subprocess.CompletedProcess) -> subprocess.CompletedPro
             + (f"; a rank got a fatal signal, this thread first:\n{stack}\n" if stack else "\n")
             + f"--- the end of its stderr ---\n{done.stderr[-3000:]}")
     return done
+
+
+# What torchrun puts before each line a rank wrote to stderr.
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+EXCEPTION_LINE = re.compile(r"^((?:\w+\.)*(\w+)): (.*)$")
+
+
+def torchrun_exception(stderr: str) -> dict | None:
+    """The last exception of rank 0's last traceback on torchrun's stderr (its lines carry
+    torchrun's `[rank0]:`; torchrun's own ChildFailedError traceback does not)."""
+    lines = [RANK_PREFIX.sub("", line) for line in stderr.splitlines() if RANK_PREFIX.match(line)]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:
+        match = EXCEPTION_LINE.match(line) if line and not line[0].isspace() else None
+        if match:
+            kind, name, message = match.groups()
+            return {"type": kind, "name": name, "message": message, "traceback": "\n".join(lines[starts[-1]:])}
+    return None
+
+
+def torchrun_result(snippet: str, done: subprocess.CompletedProcess) -> RunResult:
+    """A one-rank torchrun run as a RunResult (what tests and output files read): rank 0's
+    stdout and stderr are torchrun's, its exception the last one its traceback names.
+    One rank only: torchrun interleaves the stdout of several ranks."""
+    exception = torchrun_exception(done.stderr) if done.returncode != 0 else None
+    rank = RankResult(rank=0, pid=0, exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr,
+                      exception=exception)
+    return RunResult(snippet=ROOT / snippet, world_size=1, ranks=[rank], seconds=getattr(done, "seconds", 0.0),
+                     failed_first=[] if done.returncode == 0 else [0])
+
+
+def documented_run(snippet: str | os.PathLike, timeout: float = 120.0) -> RunResult:
+    """The snippet's run at its documented rank count, as every test that reads it shares it (made
+    once per test session): in the warm pool; in fresh processes for an example whose outcome
+    depends on what the process imported first (RUN_FRESH); through the documented torchrun
+    command itself where that is the run (RUN_BY_TORCHRUN). An example that reads what another
+    wrote (a checkpoint) says so in its docstring; that run comes first (its files stay in the
+    session's TMPDIR)."""
+    snippet = str(snippet)
+    for other, ranks in runs_before(Path(snippet)):
+        run_snippet(other, world_size=ranks, timeout=max(timeout, 120.0)).check()
+    world_size = documented_world_size(Path(snippet))
+    if snippet in RUN_BY_TORCHRUN:
+        if world_size != 1:
+            raise ValueError(f"{snippet}: a torchrun run is read as a RunResult on one rank only "
+                             f"(torchrun interleaves the stdout of {world_size})")
+        return torchrun_result(snippet, run_torchrun(snippet, 1, timeout=timeout))
+    return run_snippet(snippet, world_size=world_size, timeout=timeout, fresh=snippet in RUN_FRESH)

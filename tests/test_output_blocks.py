@@ -66,6 +66,7 @@ REDUCE_SCATTER_WARNING = "FutureWarning: `torch.distributed.reduce_scatter_tenso
 
 
 @pytest.mark.slow  # torchrun and two new interpreters, for what the reader sees on stderr
+@pytest.mark.runs(FAILING_EXAMPLE)
 def test_torchrun_shows_what_the_block_leaves_out():
     """What docs/testing.md#output-blocks says about a real torchrun run of a failing example."""
     done = run_torchrun(FAILING_EXAMPLE)
@@ -87,6 +88,7 @@ def test_torchrun_shows_what_the_block_leaves_out():
 
 
 @pytest.mark.slow  # torchrun and two new interpreters, for what the reader sees on stderr
+@pytest.mark.runs(TRAINING_EXAMPLE)
 def test_torchrun_warnings_of_a_training_example():
     """A ZeRO-3 example that trains: its block is its stdout without DeepSpeed's log lines; stderr
     repeats torch's deprecation warnings for the collectives DeepSpeed calls."""

@@ -4,10 +4,10 @@ from functools import cache
 
 import pytest
 
-from rankrun.pages import (ONLY_RANK_0, RUN_FRESH, all_snippets, doc_pages, documented_world_size, normalise,
-                           output_blocks, output_file, page_lines, page_name, runs_before)
+from rankrun.pages import (ONLY_RANK_0, all_snippets, doc_pages, documented_world_size, normalise, output_blocks,
+                           output_file, page_lines, page_name)
 from rankrun.results import printed_by_the_example
-from rankrun.runner import run_snippet
+from rankrun import runner
 
 # Snippets that need more than the runner's default timeout: automatic_detection.py trains
 # every case of its page's tables (78 ZeRO-3 runs) in one launch; under coverage on a loaded
@@ -26,19 +26,12 @@ TIMEOUTS = {
     "snippets/transformers/zero3_saves.py": 600.0,
 }
 
-# Snippets whose outcome depends on what the process imported before them: the warm pool's
-# ranks have imported torch._dynamo, so these run in new interpreters, as torchrun starts them.
-FRESH = RUN_FRESH
-
 
 def documented_run(snippet):
-    """The snippet's run at its documented rank count (made once per test session)."""
-    # An example that reads what another wrote (a checkpoint) says so in its docstring; that run
-    # comes first (in a test session it is made once, and its files stay in the session's TMPDIR).
-    for other, ranks in runs_before(snippet):
-        run_snippet(other, world_size=ranks, timeout=TIMEOUTS.get(other, 120.0)).check()
-    return run_snippet(snippet, world_size=documented_world_size(snippet), timeout=TIMEOUTS.get(str(snippet), 120.0),
-                       fresh=str(snippet) in FRESH)
+    """The snippet's run at its documented rank count (made once per test session): warm, fresh
+    or through torchrun, as rankrun.runner.documented_run says (rankrun.pages.RUN_FRESH,
+    RUN_BY_TORCHRUN)."""
+    return runner.documented_run(snippet, timeout=TIMEOUTS.get(str(snippet), 120.0))
 
 
 @pytest.mark.parametrize("snippet", all_snippets(), ids=str)

@@ -8,8 +8,7 @@ from importlib.metadata import version
 
 import pytest
 
-from rankrun.pages import RUN_FRESH
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import ROOT, documented_run
 
 from versions import matrix
 
@@ -164,12 +163,15 @@ def unqualified(line: str) -> str:
 
 @pytest.mark.parametrize("command", matrix.commands(CONFIG))
 def test_the_pinned_row_equals_a_fresh_run(command):
-    """The data's row for the pinned release is what the examples do now, in this environment."""
+    """The data's row for the pinned release is what the examples do now, in this environment:
+    the command's run as the suite makes it once per session for every test that reads it
+    (rankrun.runner.documented_run: the documented rank count is the command's)."""
     _, _, ranks, path = command.split(" ", 3)
     committed = DATA["releases"][PINNED]["examples"].get(command)
     assert committed is not None, f"no {PINNED} row for {command}: python3 tasks.py matrix --release {PINNED}"
     # A generous timeout: on a loaded machine a run can take minutes; a timeout fails the test.
-    result = run_snippet(path, world_size=int(ranks), timeout=600, fresh=path in RUN_FRESH)
+    result = documented_run(path, timeout=600)
+    assert result.world_size == int(ranks), f"{command} is not {path}'s documented run"
     assert not result.timed_out, result.failure_report()
     printed = [matrix.printed(rank.stdout) for rank in result.ranks]
     raised = sorted({without_addresses(f"{rank.exception['name']}: {str(rank.exception['message']).splitlines()[0]}")

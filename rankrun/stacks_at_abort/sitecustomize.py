@@ -13,3 +13,8 @@ def _print_stacks_on_fatal_signal():
 
 
 atexit.register(_print_stacks_on_fatal_signal)
+
+
+from rankrun.project import SITECUSTOMIZE_CHAIN  # noqa: E402
+
+exec(SITECUSTOMIZE_CHAIN)  # then the sitecustomize this one shadows, as the others do

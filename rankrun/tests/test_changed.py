@@ -34,3 +34,35 @@ def test_a_changed_page_selects_the_label_checks_of_the_outputs_it_shows_only():
 
 def test_the_harness_selects_everything():
     assert affected(["rankrun/runner.py"], pages_including, outputs_shown).selects(OTHER_SNIPPET_ITEM)
+
+
+def test_only_the_files_that_may_hold_a_selected_test_are_collected():
+    """pytest_ignore_collect (rankrun.plugin) skips the other test modules: importing them
+    costs seconds in every worker, for nothing."""
+    page = affected([PAGE], pages_including, outputs_shown)
+    for path in ("tests/test_snippets.py", "tests/test_prose_literals.py", "tests/test_output_blocks.py",
+                 "tests/test_inventory.py", "tests/test_site.py"):
+        assert page.may_select_file(path), path
+    for path in ("tests/zero3/test_free_active_param.py", "tests/site/test_browser.py", "rankrun/tests/test_runner.py",
+                 "tests/test_versions.py"):
+        assert not page.may_select_file(path), path
+    snippet = affected([SNIPPET], pages_including, outputs_shown)
+    assert snippet.may_select_file("tests/zero3/test_free_active_param.py")
+    assert not snippet.may_select_file("tests/zero3/test_module_z3.py")
+    assert affected(["rankrun/runner.py"], pages_including, outputs_shown).may_select_file("tests/zero3/test_module_z3.py")
+
+
+def test_a_changed_page_leaves_out_the_slow_checks_of_the_machinery():
+    """Real torchrun's stderr and builds of broken copies: a page's text cannot break them; a
+    change of an example such a check runs (its @pytest.mark.runs) selects it."""
+    torchrun_check = "tests/test_output_blocks.py::test_torchrun_warnings_of_a_training_example"
+    broken_build = "tests/test_site.py::test_missing_snippet_file_fails_the_build"
+    page = affected([PAGE], pages_including, outputs_shown)
+    assert not page.selects(torchrun_check, slow=True, runs=("snippets/zero3/language_model.py",))
+    assert not page.selects(broken_build, slow=True)
+    assert page.selects("tests/test_site.py::test_site_builds_strict")
+    example = affected(["snippets/zero3/language_model.py"], pages_including, outputs_shown)
+    assert example.selects(torchrun_check, slow=True, runs=("snippets/zero3/language_model.py",))
+    assert not affected([SNIPPET], pages_including, outputs_shown).selects(
+        torchrun_check, slow=True, runs=("snippets/zero3/language_model.py",))
+    assert affected(["hooks/notebooks.py"], pages_including, outputs_shown).selects(broken_build, slow=True)

@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import backward_over_micro_batches, example_namespace, layers_seeded_like_deepspeed
 from rankrun.runner import ROOT, run_snippet
@@ -89,6 +90,7 @@ def test_on_4_ranks_two_replicas_of_each_stage_print_the_same_numbers(reference)
         assert result.returned(rank)["untied"]["differences"][0] > 1.0, rank
 
 
+@marks.api
 def test_tied_gradients_are_reduced_after_the_backward_passes_and_before_the_step():
     """The order the page states, read from DeepSpeed's own training schedule."""
     from deepspeed.runtime.pipe import schedule
@@ -103,6 +105,7 @@ def test_tied_gradients_are_reduced_after_the_backward_passes_and_before_the_ste
         assert steps.index("ReduceTiedGrads") < steps.index("ReduceGrads")
 
 
+@marks.api
 def test_deepspeed_clips_gradients_at_1_by_default():
     from deepspeed.runtime.config import DeepSpeedConfig
 

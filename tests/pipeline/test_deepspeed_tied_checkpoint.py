@@ -3,6 +3,7 @@ on 2 ranks: the tied weight is saved once; a fresh engine with the same split re
 as the uninterrupted run (both equal to one process with Adam); another split loads the
 weights but refuses the optimizer state, and without it training is that of a fresh Adam."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import train_tied_pipeline_in_one_process
 from rankrun.results import assert_refused
@@ -51,6 +52,7 @@ def test_checkpoint_save_load_and_resplit(expect_output):
     expect_output(result, output_file(SNIPPET))
 
 
+@marks.refusal
 def test_a_rank_count_other_than_one_per_stage_is_refused():
     """On 4 ranks DeepSpeed makes two replicas of the 2 stages; what rank r holds would be
     printed as stage r's. The example says so instead."""

@@ -4,6 +4,7 @@ stage 0's gradients only."""
 
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import backward_over_micro_batches, example_namespace, gradient_norm, layers_seeded_like_deepspeed
 from rankrun.results import assert_refused
@@ -73,6 +74,7 @@ def test_deepspeed_clips_by_the_norm_of_stage_0_only(expect_output):
     expect_output(result, output_file(DEEPSPEED))
 
 
+@marks.refusal
 def test_a_rank_count_other_than_one_per_stage_is_refused():
     """On 4 ranks DeepSpeed makes two replicas of the 2 stages; the whole-model norm, summed
     over every rank, would count each stage twice. The example says so instead."""

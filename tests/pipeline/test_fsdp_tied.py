@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
 from rankrun.results import assert_refused
@@ -54,6 +55,7 @@ def test_tie_split_over_two_fsdp_groups_raises(expect_output):
     expect_output(result, output_file(SNIPPET))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
     page's loss: the example says so instead of printing other numbers."""

@@ -6,6 +6,7 @@ import importlib
 import pytest
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_gpipe_in_one_process
 from rankrun.runner import run_snippet
@@ -59,6 +60,7 @@ def test_pipelining_with_a_manual_tie_matches_one_process(reference, expect_outp
     expect_output(result, output_file(SNIPPET))
 
 
+@marks.api
 def test_pipelining_deep_copies_the_tied_weight_per_stage():
     ex = load()
     torch.manual_seed(ex["SEED"])
@@ -73,6 +75,7 @@ def test_pipelining_deep_copies_the_tied_weight_per_stage():
     assert torch.equal(copy0, copy1) and torch.equal(copy0, model.embed.weight)
 
 
+@marks.api
 def test_old_pipe_module_is_gone():
     with pytest.raises(ModuleNotFoundError) as raised:
         importlib.import_module("torch.distributed.pipeline.sync")

@@ -1,11 +1,13 @@
 """DeepSpeed refuses ZeRO-3 together with pipeline parallelism."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/pipeline/zero3_pipeline.py"
 
 
+@marks.message
 def test_pipeline_engine_rejects_zero3(expect_output):
     result = run_snippet(SNIPPET, 2)
     assert not result.ok

@@ -22,7 +22,6 @@ import subprocess
 import time
 import urllib.request
 
-import jupytext
 import pytest
 
 from rankrun.runner import ROOT
@@ -76,6 +75,8 @@ def test_tasks_notebook_opens_the_notebook_in_jupyterlab(browser_context, jupyte
     # The server reads the .py as a notebook (jupytext), with the file's cells ...
     with urllib.request.urlopen(f"{url}/api/contents/{tasks.NOTEBOOK}?type=notebook&token={token}") as response:
         served = json.load(response)
+    import jupytext  # 3 s of CPU: imported by the worker that runs this test, not at every collection
+
     expected = jupytext.read(copy / tasks.NOTEBOOK)
     assert served["type"] == "notebook"
     assert [c["source"] for c in served["content"]["cells"]] == [c["source"] for c in expected.cells]

@@ -1,9 +1,12 @@
 """snippets/transformers/first_imports_inside_zero_init.py: which first imports inside
 deepspeed.zero.Init raise torch's TypeError. Each case runs in a new interpreter that the
-snippet starts, so the warm pool's imports do not reach it."""
+snippet starts, so the warm pool's imports do not reach it. The cases run once per session, in
+the documented torchrun command (rankrun.pages.RUN_BY_TORCHRUN): every test here, the output
+test and the versions page's row read that run."""
 
+from rankrun import marks
 from rankrun.pages import output_file
-from rankrun.runner import check_torchrun, printed_by_the_example, run_snippet, run_torchrun
+from rankrun.runner import check_torchrun, documented_run, printed_by_the_example, run_torchrun
 
 SNIPPET = "snippets/transformers/first_imports_inside_zero_init.py"
 TIMEOUT = 900  # ten new interpreters, most of them importing Transformers
@@ -20,9 +23,15 @@ COMPILE = {"import torch._dynamo before, then torch.compile": "raises RecursionE
            "torch.compile after the block": "builds; first weight (0,)"}
 
 
+def printed_outcomes(output: str) -> dict[str, str]:
+    """What main() printed, one `case: outcome` line per case, in order (a case has no ': ')."""
+    return dict(line.split(": ", 1) for line in output.splitlines())
+
+
+@marks.first_imports
 def test_each_first_import_inside_zero_init(expect_output):
-    result = run_snippet(SNIPPET, 1, call="main", timeout=TIMEOUT).check()
-    outcomes = result.returned(0)
+    result = documented_run(SNIPPET, timeout=TIMEOUT).check()
+    outcomes = printed_outcomes(result.output)
     assert list(outcomes) == FAILS + list(BUILDS) + list(COMPILE)
     for case in FAILS:
         assert outcomes[case].startswith(RAISES), (case, outcomes[case])
@@ -31,6 +40,7 @@ def test_each_first_import_inside_zero_init(expect_output):
     expect_output(result, output_file(SNIPPET))
 
 
+@marks.first_imports
 def test_the_documented_torchrun_command_prints_the_same():
     """Under real torchrun, whose TORCHELASTIC_* variables a case's new interpreter would inherit
     (TORCHELASTIC_USE_AGENT_STORE made each case wait forever for a store nobody serves)."""

@@ -7,6 +7,7 @@ build work."""
 
 import pytest
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace, train_causal_lm_in_one_process
 from rankrun.results import assert_refused
@@ -40,6 +41,7 @@ def test_the_fix_trains_like_one_process(world_size, expect_output):
         expect_output(result, output_file(SNIPPET))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
     page's loss: train(), shared with hf_config_zero_init.py, says so instead."""

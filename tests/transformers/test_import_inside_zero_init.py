@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import ROOT, free_port, run_snippet
 
@@ -22,6 +23,7 @@ MESSAGE_END = (" and <function tensor_pynew at 0x…>: (cls, *args, **kwargs) ->
                "(cls: type[typing.Any], data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any")
 
 
+@marks.message
 def test_the_build_raises_torchs_signature_check(expect_output):
     result = run_snippet(SNIPPET, 2, call="main", timeout=TIMEOUT, fresh=True)
     assert not result.ok and result.failed_first

@@ -6,6 +6,7 @@ logits and the student's training equal the same models in one process without D
 import pytest
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace
 from rankrun.results import assert_refused
@@ -56,6 +57,7 @@ def test_teacher_fixes_equal_one_process(world_size, reference, expect_output):
         expect_output(result, output_file(SNIPPET))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
     page's loss: the example says so instead of printing other numbers."""

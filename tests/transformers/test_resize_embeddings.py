@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace
 from rankrun.results import assert_refused
@@ -119,6 +120,7 @@ AFTER = "AttributeError: 'Parameter' object has no attribute 'ds_status'"
 NO_CONFIG = "ValueError: not enough values to unpack (expected 2, got 1)"
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
     page's loss: the example says so instead of printing other numbers."""

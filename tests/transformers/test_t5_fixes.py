@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace
 from rankrun.results import assert_refused
@@ -120,6 +121,7 @@ def test_the_fixes_train_like_plain_pytorch(world_size, reference, expect_output
         expect_output(result, output_file(FIXES))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks Trainer's steps would take 6 of the 8 examples, then 2: other losses than
     the page's. The example says so instead of printing them."""

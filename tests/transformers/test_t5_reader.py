@@ -1,6 +1,7 @@
 """snippets/transformers/t5_reader.py: DeepSpeed issue #1047 as its reader lived it, with the real
 Trainer: the reader's compute_loss and registration attempts fail, with their messages."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import run_snippet
 
@@ -18,6 +19,7 @@ TRANSPOSE_LINE = "model.module.shared.weight.transpose(0, 1))"
 TIMEOUT = 600
 
 
+@marks.message
 def test_the_readers_attempts_fail(expect_output):
     result = run_snippet(READER, 2, call="main", timeout=TIMEOUT).check()
     for rank in range(2):

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
 from rankrun.results import assert_refused
@@ -96,6 +97,7 @@ def test_save_model_then_from_pretrained_in_one_process(world_size, reference, e
         expect_output(result, output_file(SNIPPET))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks Trainer's steps would take 6 of the 8 examples, then 2: other steps and another
     checkpoint than the page's. The example says so instead."""

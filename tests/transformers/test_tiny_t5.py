@@ -1,5 +1,6 @@
 """snippets/transformers/tiny_t5.py: from_pretrained under ZeRO-3 partitions T5's tied shared weight."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import run_snippet
 
@@ -10,6 +11,7 @@ TIMEOUT = 600
 SHARED_NAMES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
 
 
+@marks.shapes
 def test_from_pretrained_under_zero3_partitions_the_tied_shared_weight(expect_output):
     result = run_snippet(TINY, 2, call="main", timeout=TIMEOUT).check()
     for rank in range(2):

@@ -1,7 +1,10 @@
 """docs/zero3/transformers.md: the page shows these runs' output files and messages."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import ROOT
+
+pytestmark = marks.files
 
 
 TINY = "snippets/transformers/tiny_t5.py"

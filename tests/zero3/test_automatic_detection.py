@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import (INDEX_ERROR, LOOKUP_ERROR, MATMUL_ERROR, OTHERS, OUTSIDE_ERROR, example_namespace,
                                predicted_outcome)
@@ -61,6 +62,7 @@ def same_run(got, want):
     return True
 
 
+@marks.files
 def test_cases_cover_the_three_tables(example):
     keys = list(example["cases"]())
     assert len([k for k in keys if len(k) == 3]) == len(example["READS"]) * 3 + 2 * 3
@@ -95,6 +97,7 @@ def test_every_cell_on_zero3(world_size, example, expect_output):
         expect_output(result, output_file(SNIPPET))
 
 
+@marks.files
 def test_page_renders_the_tables_the_run_printed():
     page = PAGE.read_text()
     assert f'--8<-- "{output_file(SNIPPET).relative_to(ROOT)}"' in page

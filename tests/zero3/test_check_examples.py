@@ -1,12 +1,14 @@
 """check_examples.py: the checker on the pages' models and on a tiny Hugging Face GPT-2, one
 process; the findings it returns and the output the page shows."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import run_snippet
 
 SNIPPET = "snippets/zero3/check_examples.py"
 
 
+@marks.findings
 def test_findings_on_the_pages_examples(expect_output):
     result = run_snippet(SNIPPET, 1, call="main", timeout=600).check()
     found = result.returned(0)

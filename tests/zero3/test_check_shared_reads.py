@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, predicted_outcome
 from rankrun.runner import ROOT, run_snippet
@@ -14,6 +15,7 @@ SNIPPET = "snippets/zero3/check_shared_reads.py"
 EXAMPLES = "snippets/zero3/check_examples.py"
 
 
+@marks.findings
 def test_agrees_with_every_cell_of_the_automatic_detection_tables():
     example = example_namespace("snippets/zero3/automatic_detection.py")
     # 78 checker runs in one process.
@@ -47,6 +49,7 @@ def command(target):
                           capture_output=True, text=True, timeout=600)
 
 
+@marks.findings
 def test_command_exits_1_on_a_finding_and_0_without():
     found = command(f"{EXAMPLES}:tied_through_a_list")
     assert found.returncode == 1, found.stderr[-2000:]
@@ -57,6 +60,7 @@ def test_command_exits_1_on_a_finding_and_0_without():
     assert "No findings" in clean.stdout
 
 
+@marks.findings
 def test_example_without_arguments(expect_output):
     result = run_snippet(SNIPPET, 1).check()
     assert "embeddings.weight" in result.output

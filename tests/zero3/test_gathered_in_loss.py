@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace
 from rankrun.results import assert_refused
@@ -57,6 +58,7 @@ def test_gathered_parameters_in_a_loss(world_size, expect_output):
         expect_output(result, output_file(IN_LOSS))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks each rank would take 2 of the 8 samples, 6 in all, and the losses would not be
     the page's: the example says so instead of printing other numbers."""

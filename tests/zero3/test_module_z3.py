@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
 from rankrun.results import assert_refused
@@ -81,6 +82,7 @@ def upstream_module_z3() -> str:
     return textwrap.dedent(doc[doc.rindex("\n", 0, start) + 1:]).strip()
 
 
+@marks.message
 def test_upstream_example_is_quoted_and_its_constructor_raises():
     code = upstream_module_z3()
     assert "# self.layer1.weight is required by self.layer2.forward" in code
@@ -96,6 +98,7 @@ def test_upstream_example_is_quoted_and_its_constructor_raises():
     assert f"TypeError: {UPSTREAM_ERROR}" in page
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
     page's loss: the example says so instead of printing other numbers."""

@@ -2,8 +2,11 @@
 
 import re
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import ROOT
+
+pytestmark = marks.files
 
 
 GATHERED = "snippets/zero3/gathered_parameters.py"

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_in_one_process
 from rankrun.results import assert_refused
@@ -154,6 +155,7 @@ def test_bytes_held_and_training(world_size, references, expect_output, request)
         assert deterministic(TIMELINE.read_text()) == deterministic(timeline(results)), f"{TIMELINE.name} differs from this run"
 
 
+@marks.files
 def test_the_plot_is_drawn_from_the_data_file():
     """The page's plot (hooks/sharing_cost_plot.py): every panel's variant is in the data; the
     SVG is the same on every build (no date, fixed ids), and shows each panel's title."""
@@ -174,6 +176,7 @@ def test_the_plot_is_drawn_from_the_data_file():
     assert "sharing-cost.svg" in page and "sharing-cost-narrow.svg" in page
 
 
+@marks.files
 def test_the_plot_is_drawn_again_only_when_its_data_changes(tmp_path, monkeypatch):
     """The build keeps the drawn SVG in .cache/sharing-cost/ under a checksum of the data: a
     second build reuses it without drawing, edited data is drawn anew and the old entry goes."""
@@ -193,6 +196,7 @@ def test_the_plot_is_drawn_again_only_when_its_data_changes(tmp_path, monkeypatc
     assert [p.read_text() for p in (tmp_path / ".cache/sharing-cost").iterdir()] == ["<svg>2</svg>"]
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 4 samples split 2/1/1 and the mean of the ranks' losses is not the
     page's loss: the example says so instead of printing other numbers."""

@@ -1,5 +1,6 @@
 """snippets/zero3/soft_inputs_outside.py: DeepSpeed issue #1047 as reported fails outside every forward."""
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.runner import run_snippet
 
@@ -7,6 +8,7 @@ from rankrun.runner import run_snippet
 OUTSIDE = "snippets/zero3/soft_inputs_outside.py"
 
 
+@marks.message
 def test_soft_inputs_outside_forward_fails(expect_output):
     result = run_snippet(OUTSIDE, 2)
     assert not result.ok

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace, train_in_one_process
 from rankrun.results import assert_refused
@@ -35,6 +36,7 @@ def test_soft_inputs_in_a_wrapper_forward_match_plain_pytorch(world_size, expect
         expect_output(result, output_file(WRAPPER))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks each rank would take 2 of the 8 samples, 6 in all, and the losses would not be
     the page's: the example says so instead of printing other numbers."""

@@ -5,7 +5,10 @@ import re
 
 import pytest
 
+from rankrun import marks
 from rankrun.runner import ROOT
+
+pytestmark = marks.files
 
 PAGE = ROOT / "docs/zero3/troubleshooting.md"
 # message heading on the page -> the output file that shows it

@@ -7,6 +7,7 @@ all against the same models trained in one process."""
 import pytest
 import torch
 
+from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_checkpoint_example_in_one_process
 from rankrun.results import assert_refused
@@ -93,6 +94,7 @@ def test_checkpoints_reload_in_one_process(world_size, reference, expect_output)
         expect_output(result, output_file(SNIPPET))
 
 
+@marks.refusal
 def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     """On 3 ranks the 8 samples split 3/3/2 and the mean of the ranks' losses is not the
     page's loss: the example says so instead of printing other numbers."""

@@ -1,0 +1,40 @@
+"""Snippet line coverage inside the ranks of a real `torchrun` run, for the examples whose
+documented run is the torchrun command itself (rankrun.pages.RUN_BY_TORCHRUN): the command
+stays the documented one; a `sitecustomize` on PYTHONPATH starts coverage in each rank that
+torchrun started (TORCHELASTIC_RUN_ID is set there, not in the launcher, and an example that
+starts interpreters of its own without torchrun's variables measures nothing in them), with
+the data file and the include pattern of the warm ranks (rankrun/rank_main.py).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from rankrun.project import SITECUSTOMIZE_CHAIN, SNIPPETS
+
+SITECUSTOMIZE = '''
+import os
+def _measure():
+    data_file = os.environ.get("SNIPPET_COVERAGE_DATA")
+    if not data_file or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    import atexit, coverage
+    measured = coverage.Coverage(data_file=data_file, data_suffix=True, config_file=False,
+                                 include=[os.path.join(os.environ["RANKRUN_SNIPPETS"], "*")])
+    measured.start()
+    def save():
+        measured.stop()
+        measured.save()
+    atexit.register(save)
+_measure()
+''' + SITECUSTOMIZE_CHAIN
+
+
+def environment(env: dict[str, str]) -> dict[str, str]:
+    """The variables to add to `env` (torchrun's environment) so that its ranks measure coverage."""
+    directory = Path(tempfile.mkdtemp(prefix="torchrun-coverage-"))  # in the session's TMPDIR
+    (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = os.pathsep.join(filter(None, [str(directory), env.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "RANKRUN_SNIPPETS": str(SNIPPETS)}
