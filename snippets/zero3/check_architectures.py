@@ -124,7 +124,9 @@ def batch(name):
 
 
 def shard(inputs, rank, world):
-    return {key: value[rank::world] for key, value in inputs.items()}
+    """This rank's consecutive share of the batch (a strided slice would not be contiguous)."""
+    share = BATCH // world
+    return {key: value[rank * share:(rank + 1) * share] for key, value in inputs.items()}
 
 
 # --8<-- [start:losses]

@@ -107,7 +107,6 @@ class _Use:
     step: int | None
     init_owner: torch.nn.Module | None  # innermost __init__ running, in the constructor
     site: str  # "file.py:line" of the user's code that made the use
-    write: bool = False  # an in-place change (in the constructor)
     needs_grad: bool = False  # autograd recorded it: backward reads the values again
     hf_init: bool = False  # inside Transformers' weight initialisation
 
@@ -179,7 +178,7 @@ class _Watch:
         if id(param) in self.missed and param.ds_status != ZeroParamStatus.AVAILABLE:
             self.gather(param)
 
-    def record(self, param, frame, backward=False, write=False, needs_grad=False):
+    def record(self, param, frame, backward=False, needs_grad=False):
         module = None if self.phase == "constructor" else self.running_module()
         if backward and self.phase == "backward":
             module = self.last_reader.get(id(param), module)
@@ -190,7 +189,6 @@ class _Watch:
         if key not in self.seen:
             self.seen[key] = _Use(param, module, phase, self.step, _constructor_of(frame),
                                   _site(frame, phase), hf_init=_in_hf_init(frame))
-        self.seen[key].write |= write
         self.seen[key].needs_grad |= needs_grad
         self.missed.add(id(param))
         if param.ds_status != ZeroParamStatus.AVAILABLE:
@@ -207,7 +205,7 @@ class _Watch:
         result = func(*args, **(kwargs or {}))
         for param, old in zip(params, before):
             if not torch.equal(param.detach(), old):
-                self.record(param, frame, write=True)
+                self.record(param, frame)
         return result
 
     def gather(self, param):
@@ -363,7 +361,8 @@ class _DispatchWatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _default_loop(engine, inputs):
+def default_loop(engine, inputs):
+    """The loop without `loop=`: the model's loss, or the mean square of its output."""
     output = engine(*inputs)
     if isinstance(output, dict):  # a Hugging Face output: its loss, or its first tensor
         output = output.get("loss") if output.get("loss") is not None else next(
@@ -398,7 +397,7 @@ def check_shared_reads(build, inputs, loop=None, steps=3):
     The checker calls engine.backward(loss), unless the loop called it itself (inside a
     GatheredParameters block, say).
     """
-    loop = loop or _default_loop
+    loop = loop or default_loop
     started = _start_process_group()
     watch = _Watch()
     errors = []
@@ -540,11 +539,12 @@ def _constructor_fix(root, use, name):
     owner = use.init_owner
     path = _path_in(owner, use.param) if owner is not None else None
     target = f"self.{path}" if path else "list(self.parameters())"
-    rank = ", modifier_rank=0" if use.write else ""
     where = f"around `{use.site}`"
     if owner is not None:
         where += f" in `{type(owner).__name__}.__init__`"
-    return f"with deepspeed.zero.GatheredParameters({target}{rank}):", where
+    # modifier_rank=0 keeps a change (rank 0's values go to every rank); a read needs none,
+    # but a view taken there (`weight[0]`) may be changed after the read.
+    return f"with deepspeed.zero.GatheredParameters({target}, modifier_rank=0):", where
 
 
 def _is_transformers_model(model):
