@@ -293,7 +293,9 @@ def initialized_plain(name, from_config_path):
     torch.manual_seed(SEED)
     if not from_config_path:
         return dict(model_class(name)(config_of(name)).named_parameters())
-    with transformers.initialization.no_init_weights():
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
         model = model_class(name)(config_of(name))
     with torch.no_grad():
         for p in model.parameters():

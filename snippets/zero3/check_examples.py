@@ -90,7 +90,8 @@ def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.integrations import HfDeepSpeedConfig
 
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # no dropout
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     zero3 = HfDeepSpeedConfig(DS_CONFIG)  # tells Transformers that ZeRO-3 partitions
 

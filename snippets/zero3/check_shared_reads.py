@@ -661,11 +661,12 @@ def apply_fixes(model, findings):
     in the built `model`, as if each line were there (a way to try them before you edit
     your code; the checker's tests apply them so). Returns how many lines ran."""
     ran = 0
-    for finding in map(_as_finding, findings):
-        cls = re.match(r"at the end of `(\w+)\.__init__`", finding.where)
+    lines = {(f.fix, f.where): None for f in map(_as_finding, findings)}  # each line once
+    for fix, where in lines:
+        cls = re.match(r"at the end of `(\w+)\.__init__`", where)
         for module in list(model.modules()) if cls else ():
             if type(module).__name__ == cls[1]:
-                exec(finding.fix, {"deepspeed": deepspeed, "torch": torch, "self": module})
+                exec(fix, {"deepspeed": deepspeed, "torch": torch, "self": module})
                 ran += 1
     return ran
 
