@@ -148,51 +148,46 @@ def parameters(name):
     return sum(p.numel() for p in model.parameters())
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--architectures", help="comma-separated; default: all")
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--rows", help="also write every row as JSON lines to this file")
-    args = parser.parse_args()
-    example = __import__("runpy").run_path(str(ROOT / SNIPPET), run_name="names")
-    names = args.architectures.split(",") if args.architectures else list(example["ARCHITECTURES"])
-    started = time.perf_counter()
+def measure(name, timeout):
+    """One architecture: the checker's verdicts (a fresh process) and the 2-rank runs of
+    every case, and of every flagged case again with its fixes. A JSON-ready record."""
+    checked = check_in_a_fresh_process(name)
+    findings = {case: f for _, case, f, _ in checked["verdicts"]}
+    rows = [[name, case, None] for case in CASES] + [
+        [name, case, findings[case]] for case in CASES if findings[case]]
+    trained = train(rows, 2, timeout)
+    plain = {r["case"]: r for r in trained if not r["fixed"]}
+    fixed = {r["case"]: r for r in trained if r["fixed"]}
+    return {
+        "architecture": name, "parameters": parameters(name),
+        "seconds": {case: s for _, case, _, s in checked["verdicts"]},
+        "peak_mib": checked["peak_mib"], "load": checked["load"],
+        "cases": {case: {"findings": findings[case], "head": plain[case]["head"],
+                         "run": run_verdict(plain[case]),
+                         "fixed": run_verdict(fixed[case]) if case in fixed else None}
+                  for case in CASES},
+    }
+
+
+def report(records):
+    """The page's tables from the records, in the order of the architectures."""
     table, costs, mended, flagged, agreeing, total = [], [], 0, 0, 0, 0
-    try:
-        for name in names:
-            checked = check_in_a_fresh_process(name)
-            findings = {case: f for _, case, f, _ in checked["verdicts"]}
-            seconds = {case: s for _, case, _, s in checked["verdicts"]}
-            rows = [[name, case, None] for case in CASES] + [
-                [name, case, findings[case]] for case in CASES if findings[case]]
-            trained = train(rows, 2, args.timeout)
-            plain = {r["case"]: r for r in trained if not r["fixed"]}
-            fixed = {r["case"]: r for r in trained if r["fixed"]}
-            for case in CASES:
-                checker = checker_verdict(findings[case])
-                run = run_verdict(plain[case])
-                agree = agrees(checker, run, plain[case]["head"])
-                total += 1
-                agreeing += agree
-                fixed_text = "-"
-                if case in fixed:
-                    flagged += 1
-                    fixed_run = run_verdict(fixed[case])
-                    mended += mends(fixed_run)
-                    fixed_text = ("mends: " if mends(fixed_run) else "does NOT mend: ") + (
-                        describe_run(fixed_run))
-                table.append((name, case, describe_checker(checker), describe_run(run),
-                              "yes" if agree else "**NO**", fixed_text))
-                if args.rows:
-                    with open(args.rows, "a") as out:
-                        out.write(json.dumps({"architecture": name, "case": case,
-                                              "findings": findings[case], "run": run,
-                                              "fixed": run_verdict(fixed[case])
-                                              if case in fixed else None}) + "\n")
-            costs.append((name, parameters(name), seconds, checked["peak_mib"], checked["load"]))
-            print(f"  {name} done", file=sys.stderr, flush=True)
-    finally:
-        close_pools()
+    for record in records:
+        for case, got in record["cases"].items():
+            checker = checker_verdict(got["findings"])
+            run = tuple(got["run"])
+            agree = agrees(checker, run, got["head"])
+            total += 1
+            agreeing += agree
+            fixed_text = "-"
+            if got["fixed"] is not None:
+                flagged += 1
+                fixed_run = tuple(got["fixed"])
+                mended += mends(fixed_run)
+                fixed_text = ("mends: " if mends(fixed_run) else "does NOT mend: ") + (
+                    describe_run(fixed_run))
+            table.append((record["architecture"], case, describe_checker(checker),
+                          describe_run(run), "yes" if agree else "**NO**", fixed_text))
     print("| architecture | case | checker (one process) | real run (2 ranks) | agree "
           "| with the checker's fixes (2 ranks) |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -206,12 +201,41 @@ def main():
     print("| architecture | parameters | checker seconds (alone, head loss, from_config) "
           "| peak memory | load average after |")
     print("| --- | --- | --- | --- | --- |")
-    for name, count, seconds, peak, load in costs:
-        cells = " / ".join(f"{seconds[c]:.1f}" for c in CASES)
-        print(f"| {name} | {count:,} | {cells} | {peak:.0f} MiB | {load[0]:.1f} |")
+    for record in records:
+        cells = " / ".join(f"{record['seconds'][c]:.1f}" for c in CASES)
+        print(f"| {record['architecture']} | {record['parameters']:,} | {cells} "
+              f"| {record['peak_mib']:.0f} MiB | {record['load'][0]:.1f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--architectures", help="comma-separated; default: all")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--records", default="/tmp/check_shared_reads_architectures.jsonl",
+                        help="one JSON line per architecture; those already there are kept")
+    args = parser.parse_args()
+    example = __import__("runpy").run_path(str(ROOT / SNIPPET), run_name="names")
+    names = args.architectures.split(",") if args.architectures else list(example["ARCHITECTURES"])
+    records = {}
+    if Path(args.records).exists():
+        for line in Path(args.records).read_text().splitlines():
+            records[json.loads(line)["architecture"]] = json.loads(line)
+    started = time.perf_counter()
+    try:
+        for name in names:
+            if name in records:
+                continue
+            records[name] = measure(name, args.timeout)
+            with open(args.records, "a") as out:
+                out.write(json.dumps(records[name]) + "\n")
+            print(f"  {name} done after {time.perf_counter() - started:.0f} s", file=sys.stderr,
+                  flush=True)
+    finally:
+        close_pools()
+    report([records[name] for name in names])
     print()
-    print(f"Wall time {time.perf_counter() - started:.0f} s; load average at the end "
-          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}; one CPU process per "
+    print(f"Wall time of this run {time.perf_counter() - started:.0f} s; load average at the "
+          f"end {', '.join(f'{x:.1f}' for x in os.getloadavg())}; one CPU process per "
           "architecture for the checker, 2 gloo ranks for the runs.")
 
 

@@ -30,7 +30,6 @@ from check_shared_reads import apply_fixes, check_shared_reads, loop_fixes  # no
 VOCAB, SEQ, BATCH, STEPS, LR, SEED, CHUNK = 64, 8, 4, 3, 0.1, 0, 8
 SAMPLE = "Llama,T5"  # what the suite runs; the benchmark runs every architecture
 CASES = ("model alone", "loss reads the head", "from_config")
-NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0, "dropout": 0.0}
 
 
 # --8<-- [start:configs]
@@ -322,6 +321,11 @@ def rows():
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank = torch.distributed.get_rank()
+    if rank == 0:  # every architecture's config and batch (the benchmark trains them all)
+        for name in ARCHITECTURES:
+            config, inputs = config_of(name), batch(name)
+            print(f"{name}: {type(config).__name__}, tied {config.tie_word_embeddings}, "
+                  f"inputs {', '.join(inputs)}")
     results = []
     for name, case, findings in rows():
         zero3 = train_zero3(name, case, findings or ())
