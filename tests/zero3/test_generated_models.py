@@ -41,8 +41,8 @@ def test_checker_agrees_with_real_runs(world_size, verdicts, expect_output):
 
 
 FORWARD = {"parameter": "block.owner.weight", "reader": "block", "phase": "forward", "step": 0,
-           "fix": "`deepspeed.zero.register_external_parameter(self, self.owner.weight)` in "
-                  "`Block.__init__`"}
+           "fix": "deepspeed.zero.register_external_parameter(self, self.owner.weight)",
+           "where": "at the end of `Block.__init__`"}
 
 
 @pytest.fixture(scope="module")
