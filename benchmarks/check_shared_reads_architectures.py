@@ -60,6 +60,8 @@ def run_verdict(row):
     weights differ from the one-process build's, those Transformers' init never writes,
     and 'works', 'silently wrong' or 'fails <where>: <error>' for the training)."""
     zero3, init = row["zero3"], row["plain init"]
+    if "initial" not in zero3:  # it raised while building
+        return None, [], f"fails {zero3['where']}: {zero3['error']}"
     differ = sorted(n for n, t in zero3["initial"].items() if not matches(t, init[n]))
     never = sorted(n for n, t in init.items() if t.isnan().any())
     if "error" in zero3:
@@ -77,6 +79,8 @@ def agrees(checker, run, head):
     nothing when the run works and the head's weight when it does not."""
     constructor, training = checker
     differ, never, outcome = run
+    if differ is None:  # the build raised: the checker must have found the constructor's use
+        return bool(constructor)
     if constructor != differ or never:
         return False
     return not training if outcome == "works" else training == [head]
@@ -97,7 +101,10 @@ def describe_checker(checker):
 
 def describe_run(run):
     differ, never, outcome = run
-    parts = [f"initial weights: {len(differ)} differ" if differ else "initial weights: equal"]
+    if differ is None:
+        parts = []
+    else:
+        parts = [f"initial weights: {len(differ)} differ" if differ else "initial weights: equal"]
     if never:
         parts.append(f"{len(never)} never initialized")
     if outcome == "works":

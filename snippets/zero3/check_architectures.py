@@ -230,7 +230,10 @@ def train_zero3(name, case, findings=()):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     zero3 = ds_config(world)
     keep = HfDeepSpeedConfig(zero3) if builds_from_config(case, findings) else None
-    model = build(name, case, zero3, findings)
+    try:
+        model = build(name, case, zero3, findings)
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return {"where": "while building the model", "error": f"{type(error).__name__}: {error}"}
     initial = full_weights(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3)
@@ -334,7 +337,8 @@ def main():
         if rank == 0:  # the references, in this one process
             plain_init = initialized_plain(name, builds_from_config(case, findings or ()))
             row["plain init"] = {n: p.detach().clone() for n, p in plain_init.items()}
-            row["plain"] = train_plain(name, case, zero3["initial"])
+            if "initial" in zero3:
+                row["plain"] = train_plain(name, case, zero3["initial"])
             row["head"] = head_name(name)
             fixed = " (fixed)" if findings is not None else ""
             if "error" in zero3:
