@@ -197,15 +197,17 @@ class _Watch:
     def write(self, func, args, kwargs, params, frame):
         """An in-place change in the constructor: in a real run it is lost (the parameter
         is empty). Recorded when it changes the values: writing ones where they already
-        are (a norm's weight) loses nothing."""
+        are (a norm's weight) loses nothing. The other parameters it gets are read."""
+        target = args[0] if args and any(args[0] is p for p in params) else None
         for param in params:
-            if param.ds_status != ZeroParamStatus.AVAILABLE:
-                self.gather(param)
-        before = [param.detach().clone() for param in params]
-        result = func(*args, **(kwargs or {}))
-        for param, old in zip(params, before):
-            if not torch.equal(param.detach(), old):
+            if param is not target:
                 self.record(param, frame)
+            elif param.ds_status != ZeroParamStatus.AVAILABLE:
+                self.gather(param)
+        before = None if target is None else target.detach().clone()
+        result = func(*args, **(kwargs or {}))
+        if target is not None and not torch.equal(target.detach(), before):
+            self.record(target, frame)
         return result
 
     def gather(self, param):
