@@ -268,8 +268,10 @@ class PlainEngine:
         return self.module(*args, **kwargs)
 
 
-def train_plain(name, case, initial):
-    """The same steps in this one process without DeepSpeed, from the same weights."""
+def train_plain(name, case, initial, world):
+    """The same steps in this one process without DeepSpeed, from the same weights: each
+    step the mean of the losses and of the gradients of the ranks' shares, as data
+    parallelism computes them (the same sums as the ranks, so rounding cannot pile up)."""
     model = model_class(name)(config_of(name))
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -277,13 +279,20 @@ def train_plain(name, case, initial):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for _ in range(STEPS):
-        loss = LOSSES[case](PlainEngine(model), batch(name))
-        loss.backward()
+        total = 0.0
+        for rank in range(world):
+            loss = LOSSES[case](PlainEngine(model), shard(batch(name), rank, world))
+            loss.backward()
+            total += loss.item()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= world
         grads.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                       for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(total / world)
     return {"losses": losses, "grads": grads}
 
 
@@ -338,7 +347,8 @@ def main():
             plain_init = initialized_plain(name, builds_from_config(case, findings or ()))
             row["plain init"] = {n: p.detach().clone() for n, p in plain_init.items()}
             if "initial" in zero3:
-                row["plain"] = train_plain(name, case, zero3["initial"])
+                world = torch.distributed.get_world_size()
+                row["plain"] = train_plain(name, case, zero3["initial"], world)
             row["head"] = head_name(name)
             fixed = " (fixed)" if findings is not None else ""
             if "error" in zero3:

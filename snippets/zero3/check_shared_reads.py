@@ -198,7 +198,9 @@ class _Watch:
         """An in-place change in the constructor: in a real run it is lost (the parameter
         is empty). Recorded when it changes the values: writing ones where they already
         are (a norm's weight) loses nothing. The other parameters it gets are read."""
-        target = args[0] if args and any(args[0] is p for p in params) else None
+        # The changed tensor: the first argument (torch.nn.init passes it as `tensor=`).
+        first = args[0] if args else (kwargs or {}).get("tensor")
+        target = next((p for p in params if p is first), None)
         for param in params:
             if param is not target:
                 self.record(param, frame)
