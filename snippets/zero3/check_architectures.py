@@ -238,9 +238,10 @@ def train_zero3(name, case, findings=()):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3)
     inputs = {k: v.to(engine.device) for k, v in shard(batch(name), rank, world).items()}
-    losses, grads, where = [], [], "in step 0"
+    losses, grads, weights, where = [], [], [], "in step 0"
     try:
         for step in range(STEPS):
+            weights.append(full_weights(engine.module))  # what this step starts from
             where = f"in step {step}"
             if case == "loss reads the head" and findings:
                 loss = chunked_step_with_fix(engine, inputs, findings)
@@ -257,7 +258,8 @@ def train_zero3(name, case, findings=()):
         return {"initial": initial, "where": where, "error": f"{type(error).__name__}: {error}"}
     finally:
         del keep
-    return {"initial": initial, "losses": losses, "grads": grads}
+    weights.append(full_weights(engine.module))
+    return {"initial": initial, "losses": losses, "grads": grads, "weights": weights, "lr": LR}
 
 
 class PlainEngine:
@@ -268,30 +270,25 @@ class PlainEngine:
         return self.module(*args, **kwargs)
 
 
-def train_plain(name, case, initial, world):
-    """The same steps in this one process without DeepSpeed, from the same weights: each
-    step the mean of the losses and of the gradients of the ranks' shares, as data
-    parallelism computes them (the same sums as the ranks, so rounding cannot pile up)."""
+def steps_plain(name, case, weights, world):
+    """Each step again in this one process without DeepSpeed, from the weights the ZeRO-3
+    run had at its start: the mean of the losses and of the gradients of the ranks'
+    shares, as data parallelism computes them. (From the same weights at every step, the
+    rounding of one step does not grow through the next ones.)"""
     model = model_class(name)(config_of(name))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(initial[n])
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
-    for _ in range(STEPS):
+    for start in weights[:STEPS]:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
         total = 0.0
         for rank in range(world):
             loss = LOSSES[case](PlainEngine(model), shard(batch(name), rank, world))
             loss.backward()
             total += loss.item()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad /= world
-        grads.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        grads.append({n: torch.zeros_like(p) if p.grad is None else p.grad / world
                       for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
+        model.zero_grad(set_to_none=True)
         losses.append(total / world)
     return {"losses": losses, "grads": grads}
 
@@ -346,9 +343,9 @@ def main():
         if rank == 0:  # the references, in this one process
             plain_init = initialized_plain(name, builds_from_config(case, findings or ()))
             row["plain init"] = {n: p.detach().clone() for n, p in plain_init.items()}
-            if "initial" in zero3:
+            if "weights" in zero3:
                 world = torch.distributed.get_world_size()
-                row["plain"] = train_plain(name, case, zero3["initial"], world)
+                row["plain"] = steps_plain(name, case, zero3["weights"], world)
             row["head"] = head_name(name)
             fixed = " (fixed)" if findings is not None else ""
             if "error" in zero3:

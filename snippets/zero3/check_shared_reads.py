@@ -123,6 +123,7 @@ class _Watch:
         self.running = []  # modules whose forward has started and not returned
         self.created = {}  # param id -> (module it was registered on, "file:line")
         self.backward_ran = False
+        self.as_zero3_builds_it = self.as_plain_builds_it = None  # full weights by name
 
     def unavailable(self, args, kwargs):
         """The ZeRO-3 parameters among the arguments that ZeRO-3 has not gathered. In the
@@ -193,24 +194,6 @@ class _Watch:
         self.missed.add(id(param))
         if param.ds_status != ZeroParamStatus.AVAILABLE:
             self.gather(param)
-
-    def write(self, func, args, kwargs, params, frame):
-        """An in-place change in the constructor: in a real run it is lost (the parameter
-        is empty). Recorded when it changes the values: writing ones where they already
-        are (a norm's weight) loses nothing. The other parameters it gets are read."""
-        # The changed tensor: the first argument (torch.nn.init passes it as `tensor=`).
-        first = args[0] if args else (kwargs or {}).get("tensor")
-        target = next((p for p in params if p is first), None)
-        for param in params:
-            if param is not target:
-                self.record(param, frame)
-            elif param.ds_status != ZeroParamStatus.AVAILABLE:
-                self.gather(param)
-        before = None if target is None else target.detach().clone()
-        result = func(*args, **(kwargs or {}))
-        if target is not None and not torch.equal(target.detach(), before):
-            self.record(target, frame)
-        return result
 
     def gather(self, param):
         _gather(param)
@@ -327,8 +310,6 @@ class _FunctionWatch(TorchFunctionMode):
             missing = self.watch.unavailable(args, kwargs)
             frame = sys._getframe(1)
             if missing and not _from_deepspeed(frame):
-                if self.watch.phase == "constructor" and _changes_in_place(name):
-                    return self.watch.write(func, args, kwargs, missing, frame)
                 grad = torch.is_grad_enabled() and any(
                     t.requires_grad for t in _tensors(args, kwargs))
                 for param in missing:
@@ -343,11 +324,6 @@ def _op_name(func):
     if name in ("__get__", "__set__"):
         return getattr(getattr(func, "__self__", None), "__name__", name)
     return name
-
-
-def _changes_in_place(name):
-    """normal_, fill_, zero_, copy_, ... (not __iadd__-style operators, which read too)."""
-    return name.endswith("_") and not name.startswith("_")
 
 
 class _DispatchWatch(TorchDispatchMode):
@@ -405,6 +381,7 @@ def check_shared_reads(build, inputs, loop=None, steps=3):
     started = _start_process_group()
     watch = _Watch()
     errors = []
+    watch.as_zero3_builds_it, watch.as_plain_builds_it = _build_twice(build)
     handles = watch.hooks()
     try:
         model = _build(build, watch, errors)
@@ -416,6 +393,26 @@ def check_shared_reads(build, inputs, loop=None, steps=3):
         if started:  # DeepSpeed's own call also forgets the groups it cached
             deepspeed.comm.destroy_process_group()
     return _findings(watch, errors)
+
+
+def _build_twice(build):
+    """The model built as ZeRO-3 builds it (nothing gathered for it) and as plain PyTorch
+    builds it, each from the random state the checked build starts from: their full
+    weights by name (None for a build that raised). A use in the constructor counts when
+    the two differ on its weight: ZeRO-3 lost what the constructor did."""
+    state, built = torch.random.get_rng_state(), []
+    for zero3 in (True, False):
+        torch.random.set_rng_state(state)
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG, enabled=zero3):
+                model = build()
+            params = dict(model.named_parameters())
+            with deepspeed.zero.GatheredParameters(list(params.values())):  # ZeRO-3 ones
+                built.append({name: p.detach().clone() for name, p in params.items()})
+        except Exception:  # noqa: BLE001 - a constructor that raises loses everything
+            built.append(None)
+    torch.random.set_rng_state(state)
+    return built
 
 
 def _build(build, watch, errors):
@@ -487,8 +484,8 @@ def _findings(watch, errors):
     found = []
     for use in watch.seen.values():
         name = params.get(id(use.param))
-        if name is None and use.phase == "constructor" and id(use.param) not in used:
-            continue  # written while building, then dropped (tying replaced it): no loss
+        if use.phase == "constructor" and not _lost(watch, name, id(use.param) in used):
+            continue
         reader = OUTSIDE if use.module is None else (modules.get(id(use.module)) or ROOT_NAME)
         parameter, fix, where = _describe(watch, use, name)
         found.append(Finding(parameter, reader, use.phase, use.step, fix, where))
@@ -496,6 +493,19 @@ def _findings(watch, errors):
         found.append(Finding("(unknown)", OUTSIDE, phase, step, "",
                              f"the run raised {type(error).__name__}: {error}"))
     return found
+
+
+def _lost(watch, name, used_later):
+    """Whether a use in the constructor changed what the model holds. Not when the weight
+    is no longer in the model (tying replaced it) and nothing used it later; not when
+    ZeRO-3's build gives the weight plain PyTorch's values (Transformers writing ones where
+    they already are, say)."""
+    if name is None:
+        return used_later
+    zero3, plain = watch.as_zero3_builds_it, watch.as_plain_builds_it
+    if zero3 is None or plain is None or name not in zero3 or name not in plain:
+        return True
+    return not torch.equal(zero3[name], plain[name])
 
 
 def _describe(watch, use, name):
