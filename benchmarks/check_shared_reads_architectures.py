@@ -182,6 +182,7 @@ def parameters(name):
 def measure(name, timeout):
     """One architecture: the checker's verdicts (a fresh process) and the 2-rank runs of
     every case, and of every flagged case again with its fixes. A JSON-ready record."""
+    started = time.perf_counter()
     checked = check_in_a_fresh_process(name)
     findings = {case: f for _, case, f, _ in checked["verdicts"]}
     rows = [[name, case, None] for case in CASES] + [
@@ -197,6 +198,7 @@ def measure(name, timeout):
                          "run": run_verdict(plain[case]),
                          "fixed": run_verdict(fixed[case]) if case in fixed else None}
                   for case in CASES},
+        "wall_s": time.perf_counter() - started,
     }
 
 
@@ -229,6 +231,17 @@ def report(records):
           "flagged rows (every fix the checker proposed, applied as it states, trained "
           "again on 2 ranks).")
     print()
+    raised = {}
+    for record in records:
+        for case, got in record["cases"].items():
+            for run in (got["run"], got["fixed"]):
+                if run is not None and run[2].startswith("fails"):
+                    raised.setdefault(run[2], []).append(f"{record['architecture']} ({case})")
+    print("What the real runs raised:")
+    print()
+    for outcome, where in raised.items():
+        print(f"- {', '.join(where)}: {outcome.removeprefix('fails ')}")
+    print()
     print("| architecture | parameters | checker seconds (alone, head loss, from_config) "
           "| peak memory | load average after |")
     print("| --- | --- | --- | --- | --- |")
@@ -251,7 +264,6 @@ def main():
     if Path(args.records).exists():
         for line in Path(args.records).read_text().splitlines():
             records[json.loads(line)["architecture"]] = json.loads(line)
-    started = time.perf_counter()
     try:
         for name in names:
             if name in records:
@@ -259,14 +271,14 @@ def main():
             records[name] = measure(name, args.timeout)
             with open(args.records, "a") as out:
                 out.write(json.dumps(records[name]) + "\n")
-            print(f"  {name} done after {time.perf_counter() - started:.0f} s", file=sys.stderr,
-                  flush=True)
+            print(f"  {name} done", file=sys.stderr, flush=True)
     finally:
         close_pools()
     report([records[name] for name in names])
     print()
-    print(f"Wall time of this run {time.perf_counter() - started:.0f} s; load average at the "
-          f"end {', '.join(f'{x:.1f}' for x in os.getloadavg())}; one CPU process per "
+    wall = sum(records[name]["wall_s"] for name in names)
+    print(f"Wall time {wall:.0f} s (checker and runs, every architecture); load average at "
+          f"the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}; one CPU process per "
           "architecture for the checker, 2 gloo ranks for the runs.")
 
 
