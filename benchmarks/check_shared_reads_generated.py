@@ -84,6 +84,31 @@ def compare(first, count, chunk, world_size, timeout):
     return rows
 
 
+def mend(rows, world_size, chunk, timeout):
+    """Every model the checker flagged, trained again on `world_size` ranks with the fixes
+    it proposed applied as it states them: {index: real outcome}."""
+    flagged = {i: r["findings"] for i, r in rows.items() if r["findings"]}
+    outcomes, indices = {}, sorted(flagged)
+    for start in range(0, len(indices), chunk):
+        part = {str(i): flagged[i] for i in indices[start:start + chunk]}
+        env = {"GENERATED_FIXES": json.dumps(part)}
+        result = run_snippet(SNIPPET, world_size, call="main", env=env, timeout=timeout).check()
+        runs = [result.returned(rank) for rank in range(world_size)]
+        for index in runs[0]:
+            outcomes[index] = real_outcome([r[index] for r in runs])
+        print(f"  {len(outcomes)} of {len(indices)} fixed models on {world_size} ranks done",
+              flush=True)
+    return outcomes
+
+
+def report_mend(outcomes, label):
+    mended = sum(o == "works" for o in outcomes.values())
+    print(f"\nfixes that mend, {label}: {mended} of {len(outcomes)} flagged models")
+    for index, outcome in sorted(outcomes.items()):
+        if outcome != "works":
+            print(f"  NOT MENDED model {index}: {outcome}")
+
+
 def report(rows, label):
     agree = sum(agrees(r["outcome"], r["verdict"]) for r in rows.values())
     print(f"\n{label}: {len(rows)} models, checker agrees on {agree}, disagrees on {len(rows) - agree}")
@@ -167,13 +192,28 @@ def main():
     parser.add_argument("--four-ranks", type=int, default=40)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--from-rows", help="report the rows a run wrote (GENERATED_ROWS)")
+    parser.add_argument("--mend-only", action="store_true",
+                        help="with --from-rows: train the flagged models with their fixes")
     args = parser.parse_args()
+    started = time.perf_counter()
+    if args.from_rows and args.mend_only:
+        rows = {}
+        for line in Path(args.from_rows).read_text().splitlines():
+            row = json.loads(line)
+            if row["ranks"] == 2:
+                rows[row["index"]] = row
+        try:
+            report_mend(mend(rows, 2, args.chunk, args.timeout), "2 ranks")
+        finally:
+            close_pools()
+        print(f"\nwall {time.perf_counter() - started:.0f} s; load average {os.getloadavg()}")
+        return None
     if args.from_rows:
         return report_rows(args.from_rows)
-    started = time.perf_counter()
     try:
         rows = compare(args.first, args.count, args.chunk, 2, args.timeout)
         report(rows, "2 ranks")
+        report_mend(mend(rows, 2, args.chunk, args.timeout), "2 ranks")
         if args.four_ranks:
             four = compare(args.first, args.four_ranks, args.chunk, 4, args.timeout)
             same = sum(four[i]["outcome"] == rows[i]["outcome"] for i in four)

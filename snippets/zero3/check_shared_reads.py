@@ -21,9 +21,12 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed picks an accelerator
 
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
+import re  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+import textwrap  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,15 +56,17 @@ METADATA = {"dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "l
 _DEEPSPEED_DIR = str(Path(deepspeed.__file__).parent)
 _DEEPSPEED_LINEAR = str(Path(deepspeed.__file__).parent / "runtime" / "zero" / "linear.py")
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_THIS_FILE = __file__
 
 
 @dataclass(frozen=True)
 class Finding:
-    parameter: str  # qualified name, e.g. "embeddings.weight"
+    parameter: str  # its path in the model, e.g. "embeddings.weight" (or where it is held)
     reader: str  # module whose forward was running, "(model)", or "(outside any forward)"
     phase: str  # "constructor", "forward", "backward" or "loop"
     step: int | None  # None in the constructor
-    fix: str  # the line to add, and where
+    fix: str  # one line of Python to add
+    where: str  # where that line goes
 
 
 def _from_deepspeed(frame) -> bool:
@@ -82,10 +87,9 @@ def _from_deepspeed(frame) -> bool:
     return False
 
 
-def _unavailable(args, kwargs):
+def _tensors(args, kwargs):
     flat, _ = tree_flatten((args, kwargs or {}))
-    return [a for a in flat if isinstance(a, torch.Tensor) and hasattr(a, "ds_id")
-            and a.ds_status != ZeroParamStatus.AVAILABLE]
+    return [a for a in flat if isinstance(a, torch.Tensor)]
 
 
 def _gather(param):
@@ -94,16 +98,42 @@ def _gather(param):
     param.all_gather()
 
 
+@dataclass
+class _Use:
+    """One use the checker saw (the first of its parameter, reader and phase)."""
+    param: torch.nn.Parameter
+    module: torch.nn.Module | None  # the reader
+    phase: str
+    step: int | None
+    init_owner: torch.nn.Module | None  # innermost __init__ running, in the constructor
+    site: str  # "file.py:line" of the user's code that made the use
+    needs_grad: bool = False  # autograd recorded it: backward reads the values again
+    hf_init: bool = False  # inside Transformers' weight initialisation
+
+
 class _Watch:
     """What the checker knows while it runs: the phase, the step, the model's names."""
 
     def __init__(self):
         self.phase, self.step, self.root = "constructor", None, None
-        self.seen = {}  # (param id, reader, phase) -> raw record
+        self.seen = {}  # (param id, reader id, phase) -> _Use
         self.gathered = {}  # param id -> param, gathered by the checker in this step
-        self.missed = set()  # ids of the parameters whose reads the checker recorded
+        self.missed = set()  # ids of the parameters whose uses the checker recorded
         self.last_reader = {}  # param id -> (reader module, or None)
         self.running = []  # modules whose forward has started and not returned
+        self.created = {}  # param id -> (module it was registered on, "file:line")
+        self.backward_ran = False
+        self.as_zero3_builds_it = self.as_plain_builds_it = None  # full weights by name
+
+    def unavailable(self, args, kwargs):
+        """The ZeRO-3 parameters among the arguments that ZeRO-3 has not gathered. In the
+        constructor, also those only the checker gathered: a real run has them partitioned."""
+        found = []
+        for a in _tensors(args, kwargs):
+            if hasattr(a, "ds_id") and (a.ds_status != ZeroParamStatus.AVAILABLE or (
+                    self.phase == "constructor" and id(a) in self.gathered)):
+                found.append(a)
+        return found
 
     def running_module(self):
         """The module ZeRO-3 registers a read on (the top of its stack of running
@@ -114,14 +144,15 @@ class _Watch:
         return stack[-1] if stack else self.running[-1]
 
     def hooks(self):
-        """Global forward hooks: which forwards are running (any entry path)."""
+        """Global hooks: which forwards are running (any entry path), and where each
+        parameter was created (for one the model does not hold in its module tree)."""
         def started(module, args):
             # A parameter passed on as an argument: DeepSpeed's hooks hand the callee a
             # new tensor, so catch it here, before them (global hooks run first).
             # The callee's hooks gather its own and its registered parameters.
             own = {id(p) for p in module._parameters.values()} | {
                 id(p) for p in getattr(module, "_external_params", {}).values()}
-            for param in _unavailable(args, None):
+            for param in self.unavailable(args, None):
                 if id(param) not in own:
                     self.record(param, sys._getframe(1))
             self.running.append(module)
@@ -129,9 +160,14 @@ class _Watch:
         def ended(module, args, output):
             self.running.pop()
 
+        def registered(module, name, param):
+            if param is not None and id(param) not in self.created:
+                self.created[id(param)] = (param, module, _creation_site(module))
+
         modules = torch.nn.modules.module
         return [modules.register_module_forward_pre_hook(started),
                 modules.register_module_forward_hook(ended, always_call=True),
+                modules.register_module_parameter_registration_hook(registered),
                 _FunctionApplyWatch(self)]
 
     def before_accumulate(self, param):
@@ -143,7 +179,7 @@ class _Watch:
         if id(param) in self.missed and param.ds_status != ZeroParamStatus.AVAILABLE:
             self.gather(param)
 
-    def record(self, param, frame, backward=False):
+    def record(self, param, frame, backward=False, needs_grad=False):
         module = None if self.phase == "constructor" else self.running_module()
         if backward and self.phase == "backward":
             module = self.last_reader.get(id(param), module)
@@ -152,7 +188,9 @@ class _Watch:
             phase = "forward"
         key = (id(param), id(module), phase)
         if key not in self.seen:
-            self.seen[key] = (param, module, phase, self.step, _constructor_of(frame))
+            self.seen[key] = _Use(param, module, phase, self.step, _constructor_of(frame),
+                                  _site(frame, phase), hf_init=_in_hf_init(frame))
+        self.seen[key].needs_grad |= needs_grad
         self.missed.add(id(param))
         if param.ds_status != ZeroParamStatus.AVAILABLE:
             self.gather(param)
@@ -166,9 +204,8 @@ class _Watch:
         if self.phase == "constructor":
             return
         module = self.running_module()
-        flat, _ = tree_flatten((args, kwargs or {}))
-        for a in flat:
-            if isinstance(a, torch.Tensor) and hasattr(a, "ds_id"):
+        for a in _tensors(args, kwargs):
+            if hasattr(a, "ds_id"):
                 self.last_reader[id(a)] = module
 
     def release(self):
@@ -191,6 +228,50 @@ def _constructor_of(frame):
     return None
 
 
+def _library(name):
+    return name.startswith((_DEEPSPEED_DIR, _TORCH_DIR, _THIS_FILE, "<"))
+
+
+def _where(frame):
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+
+
+def _site(frame, phase):
+    """The line of the user's code behind a use: in the loop, the loop's own line that led
+    to it; elsewhere, the first line outside torch, DeepSpeed and this file."""
+    first = None
+    while frame is not None:
+        if phase in ("loop", "backward") and frame.f_back is not None and (
+                frame.f_back.f_code is _run_loop.__code__):
+            return _where(frame)
+        if first is None and not _library(frame.f_code.co_filename):
+            first = frame
+        frame = frame.f_back
+    return _where(first) if first is not None else "?"
+
+
+def _creation_site(module):
+    """Where `module` was created: the first line outside torch and DeepSpeed that is not
+    in one of its own __init__ methods."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        own = code.co_name == "__init__" and frame.f_locals.get("self") is module
+        if not own and not _library(code.co_filename):
+            return _where(frame)
+        frame = frame.f_back
+    return "?"
+
+
+def _in_hf_init(frame):
+    """Whether Transformers' weight initialisation is on the stack."""
+    while frame is not None:
+        if frame.f_code.co_name in ("_init_weights", "_initialize_weights", "init_weights"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _FunctionApplyWatch:
     """Sees the parameters given to a custom autograd Function (ZeRO-3's stand-in for
     F.linear is one): the Function takes its inputs' shapes when it is called, before the
@@ -202,10 +283,12 @@ class _FunctionApplyWatch:
         original = self.original.__func__
 
         def apply(cls, *args, **kwargs):
-            missing = _unavailable(args, kwargs)
+            missing = watch.unavailable(args, kwargs)
             if missing and not _from_deepspeed(sys._getframe(1)):
+                grad = torch.is_grad_enabled() and any(
+                    t.requires_grad for t in _tensors(args, kwargs))
                 for param in missing:
-                    watch.record(param, sys._getframe(1))
+                    watch.record(param, sys._getframe(1), needs_grad=grad)
             return original(cls, *args, **kwargs)
 
         torch.autograd.Function.apply = classmethod(apply)
@@ -222,11 +305,15 @@ class _FunctionWatch(TorchFunctionMode):
         self.watch = watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _op_name(func) not in METADATA:
-            missing = _unavailable(args, kwargs)
-            if missing and not _from_deepspeed(sys._getframe(1)):
+        name = _op_name(func)
+        if name not in METADATA:
+            missing = self.watch.unavailable(args, kwargs)
+            frame = sys._getframe(1)
+            if missing and not _from_deepspeed(frame):
+                grad = torch.is_grad_enabled() and any(
+                    t.requires_grad for t in _tensors(args, kwargs))
                 for param in missing:
-                    self.watch.record(param, sys._getframe(1))
+                    self.watch.record(param, frame, needs_grad=grad)
         self.watch.note_use(args, kwargs)
         return func(*args, **(kwargs or {}))
 
@@ -247,14 +334,15 @@ class _DispatchWatch(TorchDispatchMode):
         self.watch = watch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        missing = _unavailable(args, kwargs)
+        missing = self.watch.unavailable(args, kwargs)
         if missing and not _from_deepspeed(sys._getframe(1)):
             for param in missing:
                 self.watch.record(param, sys._getframe(1), backward=True)
         return func(*args, **(kwargs or {}))
 
 
-def _default_loop(engine, inputs):
+def default_loop(engine, inputs):
+    """The loop without `loop=`: the model's loss, or the mean square of its output."""
     output = engine(*inputs)
     if isinstance(output, dict):  # a Hugging Face output: its loss, or its first tensor
         output = output.get("loss") if output.get("loss") is not None else next(
@@ -286,11 +374,14 @@ def check_shared_reads(build, inputs, loop=None, steps=3):
     build: zero-argument callable returning the model (called inside deepspeed.zero.Init).
     inputs: tuple of the model's positional arguments.
     loop: optional loop(engine, inputs) -> loss, for steps that do more than engine(*inputs).
+    The checker calls engine.backward(loss), unless the loop called it itself (inside a
+    GatheredParameters block, say).
     """
-    loop = loop or _default_loop
+    loop = loop or default_loop
     started = _start_process_group()
     watch = _Watch()
     errors = []
+    watch.as_zero3_builds_it, watch.as_plain_builds_it = _build_twice(build)
     handles = watch.hooks()
     try:
         model = _build(build, watch, errors)
@@ -302,6 +393,26 @@ def check_shared_reads(build, inputs, loop=None, steps=3):
         if started:  # DeepSpeed's own call also forgets the groups it cached
             deepspeed.comm.destroy_process_group()
     return _findings(watch, errors)
+
+
+def _build_twice(build):
+    """The model built as ZeRO-3 builds it (nothing gathered for it) and as plain PyTorch
+    builds it, each from the random state the checked build starts from: their full
+    weights by name (None for a build that raised). A use in the constructor counts when
+    the two differ on its weight: ZeRO-3 lost what the constructor did."""
+    state, built = torch.random.get_rng_state(), []
+    for zero3 in (True, False):
+        torch.random.set_rng_state(state)
+        try:
+            with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG, enabled=zero3):
+                model = build()
+            params = dict(model.named_parameters())
+            with deepspeed.zero.GatheredParameters(list(params.values())):  # ZeRO-3 ones
+                built.append({name: p.detach().clone() for name, p in params.items()})
+        except Exception:  # noqa: BLE001 - a constructor that raises loses everything
+            built.append(None)
+    torch.random.set_rng_state(state)
+    return built
 
 
 def _build(build, watch, errors):
@@ -317,21 +428,35 @@ def _build(build, watch, errors):
     return model
 
 
+def _run_loop(loop, engine, inputs):
+    return loop(engine, inputs)
+
+
 def _train(model, inputs, loop, steps, watch, errors):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
     for param in model.parameters():
         if param.requires_grad:  # runs before autograd accumulates the gradient
             param.register_hook(lambda grad, param=param: watch.before_accumulate(param))
+    backward = engine.backward
+
+    def watched_backward(loss, *args, **kwargs):  # also when the loop calls it
+        watch.phase, watch.backward_ran = "backward", True
+        try:
+            with _DispatchWatch(watch):
+                return backward(loss, *args, **kwargs)
+        finally:
+            watch.phase = "loop"
+
+    engine.backward = watched_backward
     for step in range(steps):
-        watch.step = step
+        watch.step, watch.backward_ran = step, False
         try:
             watch.phase = "loop"
             with _FunctionWatch(watch):
-                loss = loop(engine, inputs)
-            watch.phase = "backward"
-            with _FunctionWatch(watch), _DispatchWatch(watch):
-                engine.backward(loss)
+                loss = _run_loop(loop, engine, inputs)
+                if not watch.backward_ran:
+                    engine.backward(loss)
             watch.release()
             engine.step()
         except Exception as error:  # noqa: BLE001 - what the checker could not gather
@@ -355,42 +480,149 @@ def _module_names(root):
 
 def _findings(watch, errors):
     params, modules = _names(watch.root), _module_names(watch.root)
+    used = {id(u.param) for u in watch.seen.values() if u.phase != "constructor"}
     found = []
-    for param, module, phase, step, init_owner in watch.seen.values():
-        name = params.get(id(param)) or _name_in(init_owner, param) or f"ds_id {param.ds_id}"
-        reader = OUTSIDE if module is None else (modules.get(id(module)) or ROOT_NAME)
-        fix = _fix(watch.root, param, name, module, phase, init_owner)
-        found.append(Finding(name, reader, phase, step, fix))
+    for use in watch.seen.values():
+        name = params.get(id(use.param))
+        if use.phase == "constructor" and not _lost(watch, name, id(use.param) in used):
+            continue
+        reader = OUTSIDE if use.module is None else (modules.get(id(use.module)) or ROOT_NAME)
+        parameter, fix, where = _describe(watch, use, name)
+        found.append(Finding(parameter, reader, use.phase, use.step, fix, where))
     for phase, step, error in errors:
-        found.append(Finding("(unknown)", OUTSIDE, phase, step,
+        found.append(Finding("(unknown)", OUTSIDE, phase, step, "",
                              f"the run raised {type(error).__name__}: {error}"))
     return found
 
 
-def _name_in(module, param):
-    if module is None:
-        return None
+def _lost(watch, name, used_later):
+    """Whether a use in the constructor changed what the model holds. Not when the weight
+    is no longer in the model (tying replaced it) and nothing used it later; not when
+    ZeRO-3's build gives the weight plain PyTorch's values (Transformers writing ones where
+    they already are, say)."""
+    if name is None:
+        return used_later
+    zero3, plain = watch.as_zero3_builds_it, watch.as_plain_builds_it
+    if zero3 is None or plain is None or name not in zero3 or name not in plain:
+        return True
+    return not torch.equal(zero3[name], plain[name])
+
+
+def _describe(watch, use, name):
+    """The parameter's name as the user can write it, the line that fixes the use, and
+    where the line goes."""
+    root = watch.root
+    held = None if name is not None else _outside_tree(watch, use.param)
+    if held is not None:
+        name, where_held = held[0], held[1]
+        parameter = f"{name} (outside the model's module tree: {where_held})"
+    elif name is None:  # not created while the model was built
+        shape = tuple(use.param.ds_shape)
+        return (f"a parameter of shape {shape} the model does not hold", "",
+                "the checker knows nothing else of it: it was not created in `build()`")
+    else:
+        parameter = name
+    if use.phase == "constructor":
+        return (parameter, *_constructor_fix(root, use, name))
+    if use.module is None:
+        block = f"with deepspeed.zero.GatheredParameters(engine.module.{name}):"
+        if use.phase == "backward":
+            return parameter, block, (
+                f"move `engine.backward(loss)` into the block around `{use.site}`: "
+                "autograd reads it again in backward")
+        if use.needs_grad:
+            return parameter, block, (
+                f"around `{use.site}` and `engine.backward(loss)` (in your loop): "
+                "autograd reads it again in backward")
+        return parameter, block, f"around `{use.site}` (in your loop)"
+    if held is not None:
+        return (parameter, *held[2:])
+    holder, path = _common_holder(root, use.module, name)
+    target = "self" if holder is use.module else f"self.{_path_from(holder, use.module)}"
+    return (parameter, f"deepspeed.zero.register_external_parameter({target}, self.{path})",
+            f"at the end of `{type(holder).__name__}.__init__`")
+
+
+def _constructor_fix(root, use, name):
+    if use.hf_init and _is_transformers_model(root):
+        auto = _auto_class(type(root), root.config)
+        return (f"model = transformers.{auto}.from_config(config)",
+                f"instead of `{type(root).__name__}(config)` inside `deepspeed.zero.Init`, "
+                "while an `HfDeepSpeedConfig` of your DeepSpeed config is alive: "
+                "Transformers then initializes each weight gathered")
+    owner = use.init_owner
+    path = _path_in(owner, use.param) if owner is not None else None
+    target = f"self.{path}" if path else "list(self.parameters())"
+    where = f"around `{use.site}`"
+    if owner is not None:
+        where += f" in `{type(owner).__name__}.__init__`"
+    # modifier_rank=0 keeps a change (rank 0's values go to every rank); a read needs none,
+    # but a view taken there (`weight[0]`) may be changed after the read.
+    return f"with deepspeed.zero.GatheredParameters({target}, modifier_rank=0):", where
+
+
+def _is_transformers_model(model):
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _auto_class(model_class, config):
+    """The Auto class whose from_config builds `model_class` from this config."""
+    import transformers
+
+    for name in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                 "AutoModelForImageTextToText", "AutoModel"):
+        mapping = getattr(transformers, name)._model_mapping
+        if mapping.get(type(config), None) is model_class:
+            return name
+    return "AutoModel"
+
+
+def _path_in(module, param):
     for name, p in module.named_parameters(remove_duplicate=False):
         if p is param:
-            return f"{type(module).__name__}.{name}"
+            return name
     return None
 
 
-def _fix(root, param, name, module, phase, init_owner):
-    if phase == "constructor":
-        where = f"{type(init_owner).__name__}.__init__" if init_owner else "the constructor"
-        return (f"in {where}: read or change it inside `with deepspeed.zero.GatheredParameters("
-                f"<{name}>, modifier_rank=0):`, or take its shape from `.ds_shape`")
-    if module is None:
-        if phase == "backward":
-            return ("autograd needs its values after the `GatheredParameters` block: move the "
-                    "computation into a forward (a submodule called through the engine)")
-        return (f"in the training loop: read it inside `with deepspeed.zero.GatheredParameters("
-                f"engine.module.{name})`, or move the computation into a forward")
-    holder, path = _common_holder(root, module, name)
-    target = "self" if holder is module else f"self.{_path_from(holder, module)}"
-    return (f"`deepspeed.zero.register_external_parameter({target}, self.{path})` in "
-            f"`{type(holder).__name__}.__init__`")
+def _outside_tree(watch, param):
+    """A parameter the model uses but does not hold in its module tree: (a path to it, a
+    description, the fix, where it goes), or None when nothing is known of it."""
+    if id(param) not in watch.created:
+        return None
+    _, module, site = watch.created[id(param)]
+    own = next((n for n, p in module._parameters.items() if p is param), "?")
+    where_held = f"held by {type(module).__name__} at {site}"
+    for holder_name, holder in watch.root.named_modules():
+        for attr, value in vars(holder).items():
+            if attr.startswith("_"):
+                continue
+            prefix = f"{holder_name}.{attr}" if holder_name else attr
+            cls = f"`{type(holder).__name__}.__init__`"
+            frozen = ("it was never given to the optimizer, so it stays frozen; leave out "
+                      "`.requires_grad_(False)` to train it")
+            if value is module:
+                return (f"{prefix}.{own}", where_held,
+                        f'self.add_module("{attr}", self.__dict__.pop("{attr}")'
+                        '.requires_grad_(False))',
+                        f"at the end of {cls}: a submodule, it is gathered in its own "
+                        f"forward; {frozen}")
+            if isinstance(value, (list, tuple)) and any(v is module for v in value):
+                index = next(i for i, v in enumerate(value) if v is module)
+                return (f"{prefix}[{index}].{own}", where_held,
+                        f"self.{attr} = torch.nn.ModuleList(self.{attr}).requires_grad_(False)",
+                        f"at the end of {cls}: submodules are gathered in their forward; "
+                        f"{frozen}")
+            if isinstance(value, dict) and any(v is module for v in value.values()):
+                key = next(k for k, v in value.items() if v is module)
+                return (f"{prefix}[{key!r}].{own}", where_held,
+                        f"self.{attr} = torch.nn.ModuleDict(self.{attr}).requires_grad_(False)",
+                        f"at the end of {cls}: submodules are gathered in their forward; "
+                        f"{frozen}")
+    return (f"{type(module).__name__}.{own}", where_held,
+            f"# make the {type(module).__name__} created at {site} a submodule",
+            "no attribute of the model holds it: make it a submodule of the module that "
+            "calls it, or build it outside `deepspeed.zero.Init`")
 
 
 def _common_holder(root, module, name):
@@ -415,17 +647,59 @@ def _path_from(holder, module):
 
 
 def print_table(findings, out=sys.stdout):
+    """The findings, those with the same fix together: what was used, by which forward in
+    which phase, then where the fix goes and the line itself."""
     if not findings:
         print("No findings: ZeRO-3 gathered every parameter this model read.", file=out)
         return
-    print(f"{len(findings)} read(s) that ZeRO-3 did not gather:", file=out)
-    rows = [("parameter", "reader", "phase", "step", "fix")] + [
-        (f.parameter, f.reader, f.phase, "-" if f.step is None else str(f.step), f.fix)
-        for f in findings]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4],
-              file=out)
+    print(f"{len(findings)} use(s) of a parameter ZeRO-3 had not gathered:", file=out)
+    groups = {}
+    for f in findings:
+        groups.setdefault((f.reader, f.phase, f.step, f.fix, f.where), []).append(f.parameter)
+    for (reader, phase, step, fix, where), names in groups.items():
+        when = {OUTSIDE: f"{phase}, outside any forward", ROOT_NAME: f"{phase} of the model"
+                }.get(reader, f"{phase} of {reader}")
+        if phase == "constructor":
+            when = phase
+        if step is not None:
+            when += f", step {step}"
+        print(textwrap.fill(", ".join(names), 92, subsequent_indent="  "), file=out)
+        print(f"  when: {when}", file=out)
+        print(f"  fix, {where}:" if fix else f"  {where}", file=out)
+        if fix:
+            print(f"    {fix}", file=out)
+
+
+def apply_fixes(model, findings):
+    """Run the fix lines that go at the end of an `__init__` on every module of that class
+    in the built `model`, as if each line were there (a way to try them before you edit
+    your code; the checker's tests apply them so). Returns how many lines ran."""
+    ran = 0
+    lines = {(f.fix, f.where): None for f in map(_as_finding, findings)}  # each line once
+    for fix, where in lines:
+        cls = re.match(r"at the end of `(\w+)\.__init__`", where)
+        for module in list(model.modules()) if cls else ():
+            if type(module).__name__ == cls[1]:
+                exec(fix, {"deepspeed": deepspeed, "torch": torch, "self": module})
+                ran += 1
+    return ran
+
+
+@contextlib.contextmanager
+def loop_fixes(findings, engine):
+    """The `GatheredParameters` blocks the fixes put in the training loop, entered
+    together: put the lines they name, and `engine.backward(loss)`, inside."""
+    lines = {f.fix for f in map(_as_finding, findings)
+             if f.reader == OUTSIDE and f.phase != "constructor" and f.fix.startswith("with ")}
+    with contextlib.ExitStack() as stack:
+        for line in sorted(lines):
+            names = {"deepspeed": deepspeed, "engine": engine}
+            stack.enter_context(eval(line.removeprefix("with ").removesuffix(":"), names))
+        yield
+
+
+def _as_finding(finding):
+    return Finding(**finding) if isinstance(finding, dict) else finding
 
 
 def _load(target):

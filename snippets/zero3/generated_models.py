@@ -6,6 +6,7 @@ Run on CPU (2 processes): the ZeRO-3 runs of the first models
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/generated_models.py
 Run and tested here on CPU only; not run on GPUs.
 """
+import json
 import os
 import random
 import sys
@@ -190,13 +191,17 @@ def full_grad(param):
     return torch.zeros(param.ds_shape) if grad is None else grad.clone()
 
 
-def train_zero3(spec):
-    """Losses and full gradients under ZeRO-3, or where and what it raised."""
+def train_zero3(spec, findings=()):
+    """Losses and full gradients under ZeRO-3, or where and what it raised. findings:
+    the checker's, whose fixes are applied to the built model as the checker states them."""
     torch.manual_seed(SEED)
     losses, grads, where = [], [], "while building the model"
     try:
         with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
             model = Model(spec)
+        if findings:
+            where = "while applying the fixes"
+            checker().apply_fixes(model, findings)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
         for step in range(STEPS):
@@ -212,9 +217,24 @@ def train_zero3(spec):
     return {"losses": losses, "grads": grads}
 
 
+def checker():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import check_shared_reads
+
+    return check_shared_reads
+
+
+def fixes():
+    """GENERATED_FIXES: {index: the checker's findings} as JSON, for a run of those models
+    with the fixes applied; none by default."""
+    return {int(i): f for i, f in json.loads(os.environ.get("GENERATED_FIXES", "{}")).items()}
+
+
 def indices():
-    """Which models this run trains: GENERATED_MODELS=first:count or a list like 40,66;
-    by default the sample."""
+    """Which models this run trains: those of GENERATED_FIXES, or GENERATED_MODELS=
+    first:count or a list like 40,66; by default the sample."""
+    if fixes():
+        return sorted(fixes())
     chosen = os.environ.get("GENERATED_MODELS", f"0:{SAMPLE}")
     if ":" not in chosen:
         return [int(index) for index in chosen.split(",")]
@@ -225,12 +245,16 @@ def indices():
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     results = {}
+    fixed = fixes()
     for index in indices():
         spec = draw(index)
-        results[index] = {"spec": spec, "zero3": train_zero3(spec), "plain": train_plain(spec)}
+        results[index] = {"spec": spec, "zero3": train_zero3(spec, fixed.get(index, ())),
+                          "plain": train_plain(spec)}
     if torch.distributed.get_rank() == 0:
         errors = [r["zero3"] for r in results.values() if "error" in r["zero3"]]
-        print(f"{len(results)} generated models trained under ZeRO-3; {len(errors)} raised an error:")
+        how = " with the checker's fixes" if fixed else ""
+        print(f"{len(results)} generated models trained under ZeRO-3{how}; "
+              f"{len(errors)} raised an error:")
         for where, error in sorted({(e["where"], e["error"]) for e in errors}):
             print(f"- {where}: `{error}`")
     torch.distributed.destroy_process_group()
@@ -239,9 +263,7 @@ def main():
 
 def checker_verdicts():
     """check_shared_reads.py on the same models: {index: (spec, findings as dicts)}."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from check_shared_reads import check_shared_reads
-
+    check_shared_reads = checker().check_shared_reads
     verdicts = {}
     for index in indices():
         spec = draw(index)

@@ -3,6 +3,7 @@ outcome those runs show (tests/zero3/test_automatic_detection.py asserts the run
 command exits with 1 on a finding and 0 without one."""
 
 import os
+import runpy
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from rankrun.runner import ROOT, run_snippet
 
 SNIPPET = "snippets/zero3/check_shared_reads.py"
 EXAMPLES = "snippets/zero3/check_examples.py"
+COMPARE = runpy.run_path(str(ROOT / "benchmarks/check_shared_reads_architectures.py"))
 
 
 @marks.findings
@@ -29,14 +31,18 @@ def test_agrees_with_every_cell_of_the_automatic_detection_tables():
                 assert findings == [], label
             else:  # fails or silently wrong: the checker names the weight
                 assert {f["parameter"] for f in findings} == {"embeddings.weight"}, label
+    for key, by_register in found.items():
+        for findings in by_register.values():
+            COMPARE["assert_user_can_write"](findings, key)
     before = found["`self.embeddings.weight`", "before", example["FIRST_USE"]][False]
     assert before == [{"parameter": "embeddings.weight", "reader": "(model)", "phase": "forward",
-                       "step": 0, "fix": "`deepspeed.zero.register_external_parameter(self, "
-                                         "self.embeddings.weight)` in `Probe.__init__`"}]
+                       "step": 0, "fix": "deepspeed.zero.register_external_parameter(self, "
+                                         "self.embeddings.weight)",
+                       "where": "at the end of `Probe.__init__`"}]
     head = found["a list holding the Parameter: `self.tied[0]`", "head", example["FIRST_USE"]][False]
-    assert [(f["reader"], f["fix"]) for f in head] == [
-        ("head", "`deepspeed.zero.register_external_parameter(self.head, "
-                 "self.embeddings.weight)` in `Probe.__init__`")]
+    assert [(f["reader"], f["fix"], f["where"]) for f in head] == [
+        ("head", "deepspeed.zero.register_external_parameter(self.head, self.embeddings.weight)",
+         "at the end of `Probe.__init__`")]
     outside = found["read outside any forward, in the training loop",][True]
     assert [(f["reader"], f["phase"]) for f in outside] == [("(outside any forward)", "loop")]
     changed = found["changed in a constructor, after `zero.Init` partitioned it",][False]
@@ -53,8 +59,9 @@ def command(target):
 def test_command_exits_1_on_a_finding_and_0_without():
     found = command(f"{EXAMPLES}:tied_through_a_list")
     assert found.returncode == 1, found.stderr[-2000:]
-    assert ("`deepspeed.zero.register_external_parameter(self, self.embeddings.weight)` in "
-            "`TiedThroughAList.__init__`") in found.stdout
+    assert ("  fix, at the end of `TiedThroughAList.__init__`:\n"
+            "    deepspeed.zero.register_external_parameter(self, self.embeddings.weight)\n"
+            ) in found.stdout
     clean = command(f"{EXAMPLES}:language_model")
     assert clean.returncode == 0, clean.stderr[-2000:]
     assert "No findings" in clean.stdout
