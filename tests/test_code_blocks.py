@@ -27,6 +27,14 @@ WITHOUT_STEP: dict[tuple[str, str, str], str] = {
      "def backward_inside_the_block(engine, tokens):"):
         "a placement of the loss that also backpropagates; the page says each placement trains "
         "the model three steps",
+    ("docs/zero3/check-your-model.md", "snippets/zero3/check_examples.py",
+     "def loss_reads_the_weight_fixed(engine, inputs, findings):"):
+        "the loss of a training loop with the checker's fix applied; the page says each fixed "
+        "example trains 3 steps",
+    ("docs/zero3/check-your-model.md", "snippets/zero3/check_architectures.py",
+     "def chunked_step_with_fix(engine, inputs, findings):"):
+        "one step's loss and backward with the checker's fix applied; the page says the run "
+        "trains 3 steps of SGD",
 }
 
 
