@@ -41,3 +41,12 @@ def test_every_section_of_the_nav_is_a_heading_of_the_home_page_with_its_pages_u
         under = HOME.split(heading, 1)[1].split("\n#", 1)[0]
         for _, _, path in (entry for entry in NAV if entry[0] == section):
             assert f"]({path})" in under, f"docs/index.md lists {path} outside its section {section!r}"
+
+
+def test_the_home_page_lists_the_pages_in_the_order_of_the_navigation():
+    """It says it does ("The pages in the order of the navigation")."""
+    linked = [path for _, _, path in NAV if path != "index.md"]
+    positions = [HOME.index(f"]({path})") for path in linked]
+    assert positions == sorted(positions), (
+        "docs/index.md lists the pages in another order than mkdocs.yml's nav: "
+        f"{[path for _, path in sorted(zip(positions, linked))]}")
