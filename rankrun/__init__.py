@@ -3,7 +3,41 @@
     from rankrun import run_snippet
     result = run_snippet("snippets/zero3/language_model.py", world_size=2, call="main").check()
 
-See rankrun/runner.py for the API and README.md ("The harness") for what it guarantees.
+See rankrun/runner.py for the API; what it guarantees, each tested in rankrun/tests/, is on
+docs/testing.md ("The runner's contract", "What happens when a rank fails").
+
+The modules, by what they are:
+
+    project.py           where the project is (root, snippets, docs), the rank-count line of a
+                         torchrun command, `free_port`, the pins; standard library only
+    runner.py            `run_snippet` and `run_torchrun` on top of the layers below, and the
+                         names tests use
+    results.py           `RunResult`, `RankResult`, `SnippetFailed`: what a run gives back, and
+                         the failure report
+    launch.py            fresh ranks (`fresh=True`, like torchrun), fail-fast waiting, stack
+                         dumps of hung ranks, collecting a run
+    hang.py              a hang of ranks waiting for each other, declared from evidence
+    pool.py              the zygote that imports torch and DeepSpeed once, and the warm pools
+                         it forks
+    run_cache.py         one run per distinct run in a test session, shared across workers;
+                         the summary line
+    entry.py             the function a snippet's main block calls (a `call="main"` run is the
+                         `__main__` run)
+    rank_main.py         the rank process, and the zygote's main loop
+    processes.py         the process table the runner's tests read (nothing left running)
+    plugin.py            pytest plugin: `expect_output` fixture, `--update-outputs`, `--changed`,
+                         `--order`, one temporary directory per session
+    changed.py           which tests a change can affect (`--changed`)
+    marks.py             the `kernel_independent` reasons (the second pass leaves those out)
+    coverage_gate.py     pytest plugin: the session fails unless every line under `snippets/`
+                         ran in some rank
+    torchrun_coverage.py the same coverage inside the ranks of a real `torchrun`
+    site_build.py        the session's one strict build of the site, shared by the site tests
+    pages.py             where the examples are: snippet files, output files, the pages'
+                         `--8<--` includes, documented rank counts
+    tolerance.py         the one tolerance policy for comparing a run with plain PyTorch
+    reference.py         one-process references to compare a run with (losses and full
+                         gradients)
 """
 
 __all__ = ["RankResult", "RunResult", "SnippetFailed", "run_snippet"]

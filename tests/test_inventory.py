@@ -174,7 +174,7 @@ def test_pages_and_code_cite_issues_by_their_public_names():
     code = [path for folder in ("rankrun", "tests", "benchmarks", "versions", "hooks") for path in (ROOT / folder).rglob("*")
             if path.suffix in {".py", ".toml", ".md", ".tsv"} and "__pycache__" not in path.parts]
     readable = [*DOCS.rglob("*.md"), *DOCS.rglob("*.py"), *SNIPPETS.rglob("*.py"), *SNIPPETS.rglob("*.out"),
-                *SNIPPETS.rglob("*.md"), ROOT / "README.md", ROOT / "tasks.py", *code]
+                *SNIPPETS.rglob("*.md"), ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "tasks.py", *code]
     found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in readable
              for n, line in enumerate(path.read_text().splitlines(), 1) if INTERNAL_NAME.search(line)]
     assert found == []
