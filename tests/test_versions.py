@@ -22,6 +22,30 @@ def test_the_pinned_release_is_the_installed_one():
     assert DATA["pinned"] == PINNED and DATA["torch"] == version("torch").split("+")[0]
 
 
+def test_the_matrix_imports_only_the_standard_library():
+    """tasks.py runs the matrix before anything is installed (versions/__init__.py): every
+    module the command line imports, its own modules' imports too, is the standard library's,
+    the package's own, or rankrun.project (standard library only as well)."""
+    import ast
+    import sys
+
+    seen, todo, foreign = set(), ["versions.matrix"], []
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for node in ast.walk(ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name.startswith("versions."):
+                    todo.append(name)
+                elif name.split(".")[0] not in sys.stdlib_module_names and name != "rankrun.project":
+                    foreign.append(f"{module}: {name}")
+    assert foreign == [] and len(seen) > 1
+
+
 def test_the_releases_list_covers_the_releases_the_pages_discuss():
     listed = plan.releases(CONFIG)
     # The latest of 0.14, 0.15, 0.17, 0.18; both sides of the two changes; the pinned one.
