@@ -12,7 +12,8 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from rankrun.pages import include_specs  # the includes as pymdownx.snippets reads them
-from versions import matrix  # versions/matrix.py: standard library only
+from versions.data import load_data, ran_releases  # the version matrix: standard library only
+from versions.plan import commands, example_name, load_releases, release_key
 
 
 def installed(package: str) -> str:
@@ -38,18 +39,18 @@ def releases_checked(markdown: str, data: dict, config: dict) -> list[str]:
     ran = None
     if any(path.startswith("snippets/versions/") for path in included):
         ran = set()
-        for command in matrix.commands(config):
-            ran.update(matrix.ran_releases(data, command))
+        for command in commands(config):
+            ran.update(ran_releases(data, command))
     else:
-        for command in matrix.commands(config):
-            if matrix.example_name(command) in included:
-                here = set(matrix.ran_releases(data, command))
+        for command in commands(config):
+            if example_name(command) in included:
+                here = set(ran_releases(data, command))
                 ran = here if ran is None else ran & here
     ran = set(ran or ())
     ran.discard(installed("deepspeed"))
-    return sorted(ran, key=matrix.release_key)
+    return sorted(ran, key=release_key)
 
 
 def on_page_markdown(markdown, page, config, files):
-    page.meta["also_checked_with"] = releases_checked(markdown, matrix.load_data(), matrix.load_releases())
+    page.meta["also_checked_with"] = releases_checked(markdown, load_data(), load_releases())
     return markdown

@@ -18,8 +18,7 @@ import sys
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_removal import fetch, wheel  # noqa: E402
+from pipeline_removal import fetch, wheel
 
 RELEASES = ["2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0"]
 MEMBER = "torch/distributed/fsdp/_fully_shard/_fsdp_state.py"
