@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,8 +17,7 @@ from pathlib import Path
 from rankrun.project import free_port
 from versions.environments import ensure_env, ensure_overlay, env_dir, env_is_current, extensions_dir, locked, log
 from versions.outputs import ABORT_AT_EXIT, compared, last_exception, printed
-from versions.plan import (ROOT, commands, commands_for, documented_commands, load_releases, package_commands_for,
-                           parse_command)
+from versions.plan import ROOT, commands_for, documented_commands, package_commands_for, parse_command
 
 RUN_TIMEOUT = 900.0  # seconds for one torchrun command
 PROBE_TIMEOUT = 2400.0  # the first import compiles an op: ~5 min on 2 loaded cores, 10+ when very loaded
@@ -183,15 +181,3 @@ def describe_run(entry: dict) -> str:
         text += f"; aborted at exit in {entry['aborted_at_exit']} of {entry['runs']} runs"
     return text
 
-
-def pinned_row_now(config: dict | None = None, python: Path | None = None) -> dict:
-    """The pinned release's examples run now in the project's own environment."""
-    config = config or load_releases()
-    python = python or Path(sys.executable)
-    env = python.parent.parent
-    examples = {}
-    for key in commands(config):
-        _, _, ranks, path = key.split(" ", 3)
-        outcome = run_command(python, env, int(ranks), path, {})
-        examples[key] = compared(outcome)
-    return examples
