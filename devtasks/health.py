@@ -1,4 +1,4 @@
-"""The check, before every command, that `.venv` still holds what the install put there.
+"""The check, before every command but `matrix`, that `.venv` still holds what the install put there.
 
 A package uninstalled, changed or deleted by hand in `.venv`, or the project installed from another
 checkout, is noticed and repaired by the install (devtasks.install), not found later as a crash:
