@@ -34,7 +34,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-from tasks import environment, pytest_arguments
+from devtasks.child_env import environment
+from devtasks.suite import pytest_arguments
 from rankrun.project import free_port
 
 PYTHON = sys.executable

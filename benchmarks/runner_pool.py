@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from rankrun.runner import close_pools, run_snippet
-from tasks import environment, pytest_arguments
+from devtasks.child_env import environment
+from devtasks.suite import pytest_arguments
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -44,14 +44,13 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import tasks  # noqa: E402 - the environment tasks.py gives what it runs
+from devtasks.checkout import PYTHON
+from devtasks.child_env import environment  # the environment tasks.py gives what it runs
 
-PYTHON = tasks.PYTHON
+ROOT = Path(__file__).resolve().parent.parent
 # What tasks.py gives its children (DS_ACCELERATOR, TORCH_EXTENSIONS_DIR, .venv/bin first on PATH):
 # a build run with another `ninja` first on PATH would rebuild DeepSpeed's op (docs/testing.md).
-ENVIRONMENT = tasks.environment()
+ENVIRONMENT = environment()
 SUMMARY = re.compile(r"^(?:=+ )?(\d+ (?:passed|failed).*?) in ([\d.]+)s", re.M)
 RUNS = re.compile(r"^rankrun: .*$", re.M)
 DURATION = re.compile(r"^([\d.]+)s (setup|call|teardown)\s+(\S.*?)\s*$", re.M)
@@ -192,8 +191,9 @@ def cause_of(nodeid: str, seconds: float, asked: list[dict]) -> tuple[str, Count
         spent["browser"] += rest
     elif path == "tests/test_site.py" or path.startswith("tests/site/"):
         spent["builds"] += rest
-    elif path in ("tests/test_tasks_commands.py", "tests/test_plain_python.py", "tests/test_deepspeed_op_build.py",
-                  "rankrun/tests/test_kernel_independent.py") or "torchrun" in nodeid:
+    elif path.startswith("tests/test_tasks_") or path in (
+            "tests/test_plain_python.py", "tests/test_deepspeed_op_build.py",
+            "rankrun/tests/test_kernel_independent.py") or "torchrun" in nodeid:
         spent["interpreters"] += rest
     else:
         spent["other"] += rest

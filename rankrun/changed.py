@@ -13,7 +13,7 @@ files that are not ignored), or against `--changed-base REV`. From it:
   (they run when an example they name with `@pytest.mark.runs(...)` changes);
 - a test module: that module; the site's hooks, templates or the notebook: the site tests;
   the version data: `tests/test_versions.py`;
-- anything the whole suite rests on (the harness, `tasks.py`, the pins, `mkdocs.yml`,
+- anything the whole suite rests on (the harness, `tasks.py` and `devtasks/`, the pins, `mkdocs.yml`,
   `tests/conftest.py`, CI): every test.
 
 CI always runs everything; this is the loop for editing one example or page.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Changes that can affect any test.
-EVERYTHING = ("rankrun/", "tasks.py", "pyproject.toml", "constraints.txt", "mkdocs.yml",
+EVERYTHING = ("rankrun/", "tasks.py", "devtasks/", "pyproject.toml", "constraints.txt", "mkdocs.yml",
               "tests/conftest.py", ".ci/", "tests/prose_literals_allowlist.tsv")
 SITE = ("hooks/", "overrides/", "docs/notebooks/", "docs/assets/")
 # Modules whose tests are parametrized by page or snippet (their item ids name it).

@@ -29,9 +29,10 @@ def a_readers_shell() -> dict[str, str]:
 
 
 def through_tasks_py() -> None:
-    """The environment `python3 tasks.py test` gives pytest and its ranks (tasks.environment())."""
+    """The environment `python3 tasks.py test` gives pytest and its ranks (devtasks.child_env)."""
     shell = a_readers_shell()
-    given = subprocess.run([sys.executable, "-c", "import json, tasks; print(json.dumps(tasks.environment()))"],
+    script = "import json; from devtasks.child_env import environment; print(json.dumps(environment()))"
+    given = subprocess.run([sys.executable, "-c", script],
                            cwd=ROOT, env=shell, capture_output=True, text=True, check=True)
     env = json.loads(given.stdout)
     subprocess.run([str(VENV / "bin" / "python"), "-c", LOAD], cwd=ROOT, env=env, check=True,

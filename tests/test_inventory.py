@@ -171,7 +171,8 @@ INTERNAL_NAME = re.compile(r"\bseeds?[ _-]?0\d\d\b|shared[/]seeds|\bissues? \d+\
 def test_pages_and_code_cite_issues_by_their_public_names():
     """The issues behind the site are DeepSpeed issue #876, #1047 and PyTorch issue #51931 to a
     reader; the project's internal names appear nowhere a reader or a contributor reads."""
-    code = [path for folder in ("rankrun", "tests", "benchmarks", "versions", "hooks") for path in (ROOT / folder).rglob("*")
+    code = [path for folder in ("rankrun", "devtasks", "tests", "benchmarks", "versions", "hooks")
+            for path in (ROOT / folder).rglob("*")
             if path.suffix in {".py", ".toml", ".md", ".tsv"} and "__pycache__" not in path.parts]
     readable = [*DOCS.rglob("*.md"), *DOCS.rglob("*.py"), *SNIPPETS.rglob("*.py"), *SNIPPETS.rglob("*.out"),
                 *SNIPPETS.rglob("*.md"), ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "tasks.py", *code]
@@ -208,7 +209,7 @@ def imported_test_modules(source: str) -> list[str]:
 
 
 def test_no_test_module_imports_another():
-    modules = sorted(path for folder in ("tests", "rankrun", "benchmarks", "hooks", "versions")
+    modules = sorted(path for folder in ("tests", "rankrun", "devtasks", "benchmarks", "hooks", "versions")
                      for path in (ROOT / folder).rglob("*.py") if "__pycache__" not in path.parts)
     found = {str(path.relative_to(ROOT)): imported_test_modules(path.read_text()) for path in modules}
     assert {path: names for path, names in found.items() if names} == {}

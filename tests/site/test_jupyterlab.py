@@ -12,7 +12,6 @@ write to the real notebook; Chromium (the browser tests' one) clicks through Jup
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -24,12 +23,9 @@ import urllib.request
 
 import pytest
 
+from devtasks import notebook
 from rankrun.runner import ROOT
 from rankrun.project import free_port
-
-spec = importlib.util.spec_from_file_location("tasks", ROOT / "tasks.py")
-tasks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tasks)
 
 pytestmark = pytest.mark.slow  # JupyterLab and Chromium
 
@@ -41,11 +37,11 @@ def jupyterlab(tmp_path):
     for name in ("docs", "snippets"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "vendor"))
     port, token = free_port(), secrets.token_hex(16)
-    command = tasks.jupyter_lab_command(
+    command = notebook.jupyter_lab_command(
         ["--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
          f"--IdentityProvider.token={token}"], root=copy)
     log = open(tmp_path / "jupyterlab.log", "w")
-    server = subprocess.Popen(command, cwd=copy, env=tasks.jupyter_environment(), stdout=log,
+    server = subprocess.Popen(command, cwd=copy, env=notebook.jupyter_environment(), stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -73,11 +69,11 @@ def jupyterlab(tmp_path):
 def test_tasks_notebook_opens_the_notebook_in_jupyterlab(browser_context, jupyterlab):
     url, token, copy = jupyterlab
     # The server reads the .py as a notebook (jupytext), with the file's cells ...
-    with urllib.request.urlopen(f"{url}/api/contents/{tasks.NOTEBOOK}?type=notebook&token={token}") as response:
+    with urllib.request.urlopen(f"{url}/api/contents/{notebook.NOTEBOOK}?type=notebook&token={token}") as response:
         served = json.load(response)
     import jupytext  # 3 s of CPU: imported by the worker that runs this test, not at every collection
 
-    expected = jupytext.read(copy / tasks.NOTEBOOK)
+    expected = jupytext.read(copy / notebook.NOTEBOOK)
     assert served["type"] == "notebook"
     assert [c["source"] for c in served["content"]["cells"]] == [c["source"] for c in expected.cells]
     assert served["content"]["metadata"]["kernelspec"]["name"] == "python3"
@@ -85,7 +81,7 @@ def test_tasks_notebook_opens_the_notebook_in_jupyterlab(browser_context, jupyte
     page = browser_context.new_page()
     try:
         page.set_default_timeout(180_000)
-        page.goto(f"{url}/lab/tree/{tasks.NOTEBOOK}?token={token}")
+        page.goto(f"{url}/lab/tree/{notebook.NOTEBOOK}?token={token}")
         # The notebook widget (it renders cells lazily, as they scroll into view).
         page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell").first.wait_for()
         assert page.locator(".jp-FileEditor").count() == 0
