@@ -43,7 +43,7 @@ def ensure_mermaid() -> None:
                 data = archive.extractfile(member).read()
                 (Path(tmp) / target).write_bytes(data)
         if sha256(Path(tmp) / "mermaid.min.js") != MERMAID_SHA256:
-            die(f"mermaid {MERMAID_VERSION} from npm does not match the pinned hash in tasks.py")
+            die(f"mermaid {MERMAID_VERSION} from npm does not match the pinned hash in devtasks/mermaid.py")
         MERMAID_DIR.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(tmp) / "LICENSE", MERMAID_DIR / "LICENSE")
         shutil.copy(Path(tmp) / "mermaid.min.js", MERMAID_JS)
