@@ -23,13 +23,15 @@ RANK_MAIN = Path(__file__).resolve().parent / "rank_main.py"
 STACKS_VARIABLE = "RANKRUN_STACKS_FILE"
 
 
-def kill_group(process: subprocess.Popen) -> None:
-    """Kill the rank's whole process group (the rank and anything it started)."""
+def kill_group(process: subprocess.Popen, wait: bool = True) -> None:
+    """Kill the rank's whole process group (the rank and anything it started), and reap it
+    unless `wait` is False."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    process.wait()
+    if wait:
+        process.wait()
 
 
 # How long the runner waits for hung ranks to write their stacks before it kills them.
@@ -192,8 +194,10 @@ def run_fresh(path: Path, world_size: int, call, timeout: float, grace: float, e
         finally:
             still_running = {r for r, process in enumerate(processes) if process.poll() is None}
             ask_for_stacks({r: processes[r].pid for r in still_running}, work)
+            for process in processes:  # every rank killed before any is reaped (RankPool.close)
+                kill_group(process, wait=False)
             for process in processes:
-                kill_group(process)
+                process.wait()
         codes = [process.returncode for process in processes]
         return collect(path, work, codes, [p.pid for p in processes], still_running, started, waited, timeout, port,
                        watcher)

@@ -328,8 +328,12 @@ class RankPool:
         return result
 
     def close(self) -> None:
+        # Every rank is killed before any is waited for: a rank that outlived its peer's kill by
+        # a moment would end its job on the peer's death instead of being killed where it hung.
         for worker in self.workers:
-            kill_group(worker)
+            kill_group(worker, wait=False)
+        for worker in self.workers:
+            worker.wait()
             if worker.stdin:
                 worker.stdin.close()
         for fd in self.replies:

@@ -47,7 +47,10 @@ class RankResult:
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and self.exception is None and not self.left_running
+        # A rank the runner killed did not finish, whatever its exit status says: a pool worker
+        # whose job ended on a peer's death, between the runner's kills, exits 0 itself.
+        return (self.exit_code == 0 and self.exception is None and not self.left_running
+                and not self.killed_by_runner)
 
     def _stack_start(self) -> int | None:
         lines = self.stderr.splitlines()

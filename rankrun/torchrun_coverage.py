@@ -3,7 +3,8 @@ documented run is the torchrun command itself (rankrun.pages.RUN_BY_TORCHRUN): t
 stays the documented one; a `sitecustomize` on PYTHONPATH starts coverage in each rank that
 torchrun started (TORCHELASTIC_RUN_ID is set there, not in the launcher, and an example that
 starts interpreters of its own without torchrun's variables measures nothing in them), with
-the data file and the include pattern of the warm ranks (rankrun/rank_main.py).
+the data file and the include pattern of the warm ranks (rankrun/rank_main.py). The data is saved
+at exit, and before `os._exit`, with which the examples end.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def _measure():
         measured.stop()
         measured.save()
     atexit.register(save)
+    # The examples end with os._exit (docs/versions.md, "An abort at exit"), which skips atexit.
+    leave = os._exit
+    def save_and_leave(code):
+        save()
+        leave(code)
+    os._exit = save_and_leave
 _measure()
 ''' + SITECUSTOMIZE_CHAIN
 

@@ -6,6 +6,7 @@ tests/test_snippets.py runs it with) and has an output file.
 """
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,18 @@ def test_the_ending_check_tells_the_ending_from_others(tmp_path, main_block, end
     example = tmp_path / "example.py"
     example.write_text("import os\nimport sys\n\n\ndef main():\n    pass\n\n\nif __name__ == \"__main__\":\n" + main_block)
     assert ends_without_shutdown(example) is ends
+
+
+LONGEST_MODULE = 450  # lines: a longer file holds several concerns; split it by concern
+
+
+def test_no_python_file_is_longer_than_one_concern_needs():
+    """Every Python file of the project stays under LONGEST_MODULE lines, except an example a page
+    shows whole (a reader sees the file as it is, so it is not split for the rule)."""
+    shown_whole = {path for _, path, section in includes() if section is None and path.endswith(".py")}
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    long = [f"{name}: {lines} lines" for name in tracked if name not in shown_whole
+            and (lines := len((ROOT / name).read_text().splitlines())) > LONGEST_MODULE]
+    assert not long, long
+    assert "snippets/zero3/check_shared_reads.py" in shown_whole  # the rule sees whole includes

@@ -65,3 +65,20 @@ def test_a_failure_report_names_the_pages_that_show_the_snippet():
     result = run_snippet("snippets/zero3/soft_inputs_outside.py", world_size=2)
     assert not result.ok
     assert result.failure_report().splitlines()[1] == "shown on docs/zero3/outside-forward.md"
+
+
+def test_a_rank_the_runner_killed_is_a_failed_rank_whatever_its_exit_status():
+    """A pool worker whose job ended on its peer's death, between the runner's kills, exits with
+    status 0 itself: it is still a rank the runner killed, listed with where it was."""
+    from rankrun.results import RankResult, RunResult
+
+    stack = 'Thread 0x00007f0000000001 (most recent call first):\n  File "deadlock.py", line 9 in <module>'
+    ranks = [RankResult(rank=r, pid=100 + r, exit_code=code, stdout="", stderr=stack, killed_by_runner=True)
+             for r, code in enumerate((-9, 0))]
+    result = RunResult(snippet=Path("deadlock.py"), world_size=2, ranks=ranks, seconds=2.5, timed_out=True,
+                       timeout=2.0, failed_first=[], port=0, first_failure_seconds=None)
+    assert not ranks[1].ok and not result.ok
+    report = result.failure_report()
+    for rank in (0, 1):
+        assert f"rank {rank}: killed by the runner" in report
+        assert f"--- rank {rank}: where it was when the runner killed it ---" in report

@@ -77,7 +77,7 @@ def main():
         print(f"peft {peft.__version__}")  # the DeepSpeed release: the page's stamp or note
         for name, got in results.items():
             print(f"modules_to_save={got['modules']}:")
-            if got["error"]:
+            if got["error"]:  # pragma: no cover (other releases: the version matrix)
                 print(f"  training raised {got['error']}")
                 continue
             print("  losses:", *(f"{loss:.4f}" for loss in got["losses"]))
@@ -91,7 +91,7 @@ def main():
                   f"{sorted(key for key, value in saved.items() if 'lora' in key and not value.numel())}")
             got["load error"] = error_text(lambda: got.update(loaded=load_in_one_process(
                 directory, got["adapter"], got["inputs"])))
-            if got["load error"]:
+            if got["load error"]:  # pragma: no cover (other releases: the version matrix)
                 print(f"  loading raised {got['load error']}")
                 continue
             limit = 64 * torch.finfo(torch.float32).eps * got["logits"].abs().max()

@@ -139,7 +139,7 @@ def train(give_engine, policy):
             torch.distributed.all_reduce(mean_reward)
             record["rewards"].append(mean_reward.item() / world)
             record["completions"].append(completion_ids.cpu())
-    except (AssertionError, RuntimeError) as error:
+    except (AssertionError, RuntimeError) as error:  # pragma: no cover (other releases)
         record["error"] = f"{type(error).__name__}: {error}"
     del accelerator
     AcceleratorState._reset_state(reset_partial_state=True)
