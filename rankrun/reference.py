@@ -1,5 +1,6 @@
 """The reference a ZeRO-3 example is compared with: the same model, seed, data and optimizer,
-trained in this one process without DeepSpeed."""
+trained in this one process without DeepSpeed; and example_namespace, which loads an example's
+definitions into this process to build it (the tests' and benchmarks' one way to load one)."""
 
 import contextlib
 import math
@@ -14,8 +15,8 @@ from rankrun.tolerance import assert_matches
 
 
 def example_namespace(snippet, with_siblings=()) -> dict:
-    """The definitions of an example (a path relative to the repository root), its main block
-    not run: the module's globals, as `runpy` leaves them, for building its reference.
+    """The definitions of an example (a path relative to the repository root, or absolute), its
+    main block not run: the module's globals, as `runpy` leaves them, for building its reference.
 
     The example imports its siblings (the modules in its folder) as it does when run as a
     script (see imports_as_a_script); `with_siblings` names siblings it imported whose globals
