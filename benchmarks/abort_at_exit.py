@@ -35,10 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from rankrun.project import free_port
 
-from rankrun.project import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 README_COMMAND = "snippets/zero3/language_model.py"
 PLAIN = "python:"  # python:SNIPPET runs `python SNIPPET` instead of torchrun

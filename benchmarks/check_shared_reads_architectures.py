@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from rankrun.reference import example_namespace
+from rankrun.runner import close_pools, run_snippet
+from rankrun.tolerance import matches
 
-from rankrun.runner import close_pools, run_snippet  # noqa: E402
-from rankrun.tolerance import matches  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SNIPPET = "snippets/zero3/check_architectures.py"
 CASES = ("model alone", "loss reads the head", "from_config")
@@ -142,10 +142,9 @@ def describe_run(run):
 
 
 ONE = r"""
-import json, os, resource, sys
-sys.path.insert(0, "snippets/zero3")
-import runpy
-example = runpy.run_path("snippets/zero3/check_architectures.py", run_name="check")
+import json, resource
+from rankrun.reference import example_namespace
+example = example_namespace("snippets/zero3/check_architectures.py")
 verdicts = example["checker_verdicts"]()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print("VERDICTS " + json.dumps({"verdicts": verdicts, "peak_mib": peak}))
@@ -174,7 +173,7 @@ def train(rows, world_size, timeout):
 
 
 def parameters(name):
-    example = __import__("runpy").run_path(str(ROOT / SNIPPET), run_name="count")
+    example = example_namespace(SNIPPET)
     model = example["model_class"](name)(example["config_of"](name))
     return sum(p.numel() for p in model.parameters())
 
@@ -258,7 +257,7 @@ def main():
     parser.add_argument("--records", default="/tmp/check_shared_reads_architectures.jsonl",
                         help="one JSON line per architecture; those already there are kept")
     args = parser.parse_args()
-    example = __import__("runpy").run_path(str(ROOT / SNIPPET), run_name="names")
+    example = example_namespace(SNIPPET)
     names = args.architectures.split(",") if args.architectures else list(example["ARCHITECTURES"])
     records = {}
     if Path(args.records).exists():

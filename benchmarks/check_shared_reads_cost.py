@@ -21,11 +21,12 @@ CONFIGS = [  # (layers, hidden, intermediate, heads, vocab)
 ]
 ONE = r"""
 import json, resource, sys, time
-sys.path.insert(0, "snippets/zero3")
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
-from check_shared_reads import DS_CONFIG, check_shared_reads
+from rankrun.reference import example_namespace
+checker = example_namespace("snippets/zero3/check_shared_reads.py")
+DS_CONFIG, check_shared_reads = checker["DS_CONFIG"], checker["check_shared_reads"]
 layers, hidden, inter, heads, vocab = json.loads(sys.argv[1])
 config = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab)

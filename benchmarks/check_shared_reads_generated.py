@@ -19,15 +19,11 @@ import argparse
 import collections
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from rankrun.runner import close_pools, run_snippet  # noqa: E402
-from rankrun.tolerance import matches  # noqa: E402
+from rankrun.runner import close_pools, run_snippet
+from rankrun.tolerance import matches
 
 SNIPPET = "snippets/zero3/generated_models.py"
 SHARED = "block.owner.weight"

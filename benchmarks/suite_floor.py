@@ -92,9 +92,9 @@ IN_PROCESS = {
         "pages.includes()\n"
         "[pages.output_blocks(pages.page_lines(page)) for page in pages.doc_pages()]\n"),
     "the warm zygote's imports (rank_main.WARM_IMPORTS)": (
-        "import sys; sys.path.insert(0, 'rankrun'); import rank_main; rank_main.warm_up()\n"),
+        "from rankrun import rank_main; rank_main.warm_up()\n"),
     "the warm zygote's imports without Transformers (a --changed run for a ZeRO-3 page)": (
-        "import os, sys; sys.path.insert(0, 'rankrun'); import rank_main\n"
+        "import os\nfrom rankrun import rank_main\n"
         "os.environ['RANKRUN_WARM_IMPORTS'] = ','.join(n for n in rank_main.WARM_IMPORTS\n"
         "                                              if n not in rank_main.TRANSFORMERS_IMPORTS)\n"
         "rank_main.warm_up()\n"),

@@ -24,6 +24,8 @@ The modules, by what they are:
     entry.py             the function a snippet's main block calls (a `call="main"` run is the
                          `__main__` run)
     rank_main.py         the rank process, and the zygote's main loop
+    lifetime.py          how a rank's and the zygote's processes live and end: subreaper,
+                         death with the parent, what a snippet left running
     processes.py         the process table the runner's tests read (nothing left running)
     plugin.py            pytest plugin: `expect_output` fixture, `--update-outputs`, `--changed`,
                          `--order`, one temporary directory per session
@@ -37,7 +39,7 @@ The modules, by what they are:
                          `--8<--` includes, documented rank counts
     tolerance.py         the one tolerance policy for comparing a run with plain PyTorch
     reference.py         one-process references to compare a run with (losses and full
-                         gradients)
+                         gradients), and the loader of a snippet's names (example_namespace)
 """
 
 __all__ = ["RankResult", "RunResult", "SnippetFailed", "run_snippet"]

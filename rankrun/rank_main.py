@@ -32,6 +32,7 @@ import types
 import warnings
 
 from rankrun.entry import RETURNED, main_code_keeping
+from rankrun.lifetime import become_subreaper, die_with_parent, end_with_descendants, left_running
 
 
 def describe(error: BaseException) -> dict:
@@ -156,38 +157,6 @@ def as_a_new_process() -> None:
         numpy.random.seed()
 
 
-def left_running() -> list[str]:
-    """Kill what the snippet started and left running; describe each as "PID CMD".
-
-    The rank is a child subreaper (become_subreaper), so everything it started is below it,
-    also what was started in a new session or whose parent already ended."""
-    import psutil
-
-    me = psutil.Process()
-    found = []
-    for child in me.children(recursive=True):
-        try:
-            found.append((child, f"{child.pid} {' '.join(child.cmdline()) or child.name()}"))
-            child.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs([child for child, _ in found], timeout=5)
-    while True:  # reap what was orphaned to this process meanwhile
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-    return [description for _, description in found]
-
-
-def become_subreaper() -> None:
-    """Orphaned descendants are re-parented to this process instead of to init (PR_SET_CHILD_SUBREAPER)."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(36, 1)
-
-
 def probe_stacks_on_request(path: str) -> None:
     """On SIGUSR2, append every thread's Python stack to `path`: the runner's hang watcher
     (rankrun/hang.py) looks at a rank this way while it runs, without touching its stderr.
@@ -275,29 +244,6 @@ def settle_heap() -> None:
 
     gc.collect()
     gc.freeze()
-
-
-def die_with_parent(signum=None) -> None:
-    """Get `signum` (SIGKILL by default) when the parent process ends, even if it is killed with
-    no chance to clean up."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None).prctl(1, signum or signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def end_with_descendants() -> None:
-    """Kill every process below this one, then end this one."""
-    import psutil
-
-    try:
-        for process in psutil.Process().children(recursive=True):
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-    finally:
-        os._exit(1)
 
 
 def serve(jobs_fd: int, reply_fd: int) -> int:

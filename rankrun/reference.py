@@ -1,8 +1,12 @@
 """The reference a ZeRO-3 example is compared with: the same model, seed, data and optimizer,
-trained in this one process without DeepSpeed."""
+trained in this one process without DeepSpeed; and example_namespace, which loads an example's
+definitions into this process to build it (the tests' and benchmarks' one way to load one)."""
 
+import contextlib
 import math
 import runpy
+import sys
+from pathlib import Path
 
 import torch
 
@@ -10,10 +14,47 @@ from rankrun.project import ROOT
 from rankrun.tolerance import assert_matches
 
 
-def example_namespace(snippet) -> dict:
-    """The definitions of an example (a path relative to the repository root), its main block
-    not run: the module's globals, as `runpy` leaves them, for building its reference."""
-    return runpy.run_path(str(ROOT / snippet), run_name="reference")
+def example_namespace(snippet, with_siblings=()) -> dict:
+    """The definitions of an example (a path relative to the repository root, or absolute), its
+    main block not run: the module's globals, as `runpy` leaves them, for building its reference.
+
+    The example imports its siblings (the modules in its folder) as it does when run as a
+    script (see imports_as_a_script); `with_siblings` names siblings it imported whose globals
+    to add, under its own: example_namespace("snippets/transformers/zero3_saves.py",
+    with_siblings=["tied_causal_lm"])["LR"] is tied_causal_lm.py's LR."""
+    path = ROOT / snippet
+    with imports_as_a_script(path) as siblings:
+        namespace = runpy.run_path(str(path), run_name="reference")
+    added = {}
+    for name in with_siblings:
+        added.update(vars(siblings[name]))
+    return {**added, **namespace}
+
+
+@contextlib.contextmanager
+def imports_as_a_script(script: Path):
+    """While the block runs, `import NAME` finds the modules of `script`'s folder as `python
+    script` finds them (its folder first on sys.path, as rankrun/rank_main.py sets it for a
+    rank), not a module of that name imported earlier, from another folder of snippets say.
+    Afterwards sys.path and sys.modules are as they were: the siblings imported meanwhile are
+    dropped from sys.modules (two folders may each have a module of the same name); the dict
+    the `with` binds holds them by name once the block has ended."""
+    folder = script.resolve().parent
+    names = {path.stem for path in folder.glob("*.py")} | {path.parent.name for path in folder.glob("*/__init__.py")}
+    saved_path = list(sys.path)
+    shadowed = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    before = set(sys.modules)
+    siblings = {}
+    sys.path.insert(0, str(folder))
+    try:
+        yield siblings
+    finally:
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - before:
+            file = getattr(sys.modules[name], "__file__", None)
+            if file and Path(file).resolve().is_relative_to(folder):
+                siblings[name] = sys.modules.pop(name)
+        sys.modules.update(shadowed)
 
 
 def train_in_one_process(model, batches, loss_fn, lr):

@@ -4,30 +4,19 @@ from it gives the pipeline's loss and the loss of the same training in one proce
 reference of deepspeed_tied_checkpoint's test). ds_to_universal finds no ZeRO files in a
 pipeline checkpoint."""
 
-import sys
-
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_tied_pipeline_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
 SNIPPET = "snippets/pipeline/pipeline_to_plain.py"
-FOLDER = ROOT / "snippets" / "pipeline"
-
-
-def example():
-    sys.path.insert(0, str(FOLDER))  # the snippet imports deepspeed_tied_checkpoint
-    try:
-        return example_namespace(SNIPPET)
-    finally:
-        sys.path.remove(str(FOLDER))
 
 
 def test_pipeline_checkpoint_to_one_plain_model(expect_output):
-    ex = example()
+    ex = example_namespace(SNIPPET)
     reference, _ = train_tied_pipeline_in_one_process()  # the losses of the checkpoint test's reference
     result = run_snippet(SNIPPET, 2, call="main", timeout=300).check()
     got = result.returned(0)

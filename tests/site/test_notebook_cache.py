@@ -40,7 +40,8 @@ FILES = {
                   "nav:\n  - Home: index.md\n  - Tiny: notebooks/tiny.py\n",
     "docs/index.md": "# Home\n",
     "docs/notebooks/tiny.py": NOTEBOOK,
-    "snippets/tiny/run.py": "import sys\nsys.path.insert(0, 'snippets/tiny')\nimport helper\n"
+    # Run as `python snippets/tiny/run.py`, it imports its sibling as the examples do theirs.
+    "snippets/tiny/run.py": "import helper\n"
                             "print('data:', open('snippets/tiny/data.txt').read().strip(), helper.WORD)\n",
     "snippets/tiny/helper.py": "WORD = 'hello'\n",
     "snippets/tiny/data.txt": "1\n",

@@ -6,27 +6,17 @@ the trained model's logits. The errors of other releases are the version matrix'
 (versions/releases.toml; the note snippets/versions/peft_modules_to_save.md)."""
 
 import os
-import sys
 
 import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_adapter_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/transformers/peft_modules_to_save.py"
 TIMEOUT = 600  # two Trainer runs and Transformers' import on a loaded 2-core machine
-
-
-def example():
-    sys.path.insert(0, str(ROOT / "snippets" / "transformers"))  # it imports tied_causal_lm
-    try:
-        names = example_namespace(SNIPPET)
-        return {**vars(sys.modules["tied_causal_lm"]), **names}
-    finally:
-        sys.path.remove(str(ROOT / "snippets" / "transformers"))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +25,7 @@ def reference(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    ex = example()
+    ex = example_namespace(SNIPPET, with_siblings=["tied_causal_lm"])
     directory = ex["save_tiny_llama"]()
     inputs = torch.stack([row["input_ids"] for row in ex["token_dataset"]()])
     cases = {}

@@ -6,14 +6,13 @@ losses, its saved adapter and its merged model's logits equal that reference's, 
 adapter merged in one process gives the trained model's logits; only the tied one stays tied."""
 
 import os
-import sys
 
 import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_adapter_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/transformers/peft_tied.py"
@@ -21,16 +20,6 @@ TIMEOUT = 600  # two Trainer runs and Transformers' import on a loaded 2-core ma
 NOT_SET = "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter, but `ensure_weight_tying` is not set to True."
 UNTIED = "Input and output embeddings are no longer tied after merging. Setting `tie_word_embeddings=False` in the model config."
 ADAPTER = "adapter_model.safetensors"
-
-
-def example():
-    """The example's names, with those it takes from tied_causal_lm.py (STEPS, LR)."""
-    sys.path.insert(0, str(ROOT / "snippets" / "transformers"))  # it imports tied_causal_lm
-    try:
-        names = example_namespace(SNIPPET)
-        return {**vars(sys.modules["tied_causal_lm"]), **names}
-    finally:
-        sys.path.remove(str(ROOT / "snippets" / "transformers"))
 
 
 def copies(model):
@@ -48,7 +37,7 @@ def reference(tmp_path_factory):
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
-    ex = example()
+    ex = example_namespace(SNIPPET, with_siblings=["tied_causal_lm"])  # its STEPS and LR too
     directory = ex["save_tiny_llama"]()
     inputs = torch.stack([row["input_ids"] for row in ex["token_dataset"]()])
     cases = {}

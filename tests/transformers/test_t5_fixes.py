@@ -3,7 +3,6 @@ the same tiny T5 trained in one process without DeepSpeed."""
 
 import copy
 import shutil
-import sys
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import assert_same_training, example_namespace
 from rankrun.results import assert_refused
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 
@@ -23,24 +22,13 @@ TIMEOUT = 600
 SHARED_NAMES = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
 
 
-def load(snippet):
-    """The snippet's namespace, loaded in this process the way torchrun finds its siblings."""
-    folder = str((ROOT / snippet).parent)
-    sys.path.insert(0, folder)
-    try:
-        return example_namespace(snippet)
-    finally:
-        sys.path.remove(folder)
-        sys.modules.pop("tiny_t5", None)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """The wrapper fix trained in this one process without DeepSpeed: same checkpoint, data,
     optimizer (SGD, lr 0.1), one batch of every example per step."""
     from transformers import T5ForConditionalGeneration
 
-    tiny, fixes = load(TINY), load(FIXES)
+    tiny, fixes = example_namespace(TINY), example_namespace(FIXES)
     directory = tiny["save_tiny_t5"]()
     try:
         model = fixes["SoftInputs"](T5ForConditionalGeneration.from_pretrained(directory))

@@ -3,8 +3,6 @@ saved with save_model, reloaded here with from_pretrained in one process without
 tie is kept, the weights are those of the same training in plain PyTorch, and the logits and
 greedy generation are the run's. Then the two broken-tie cases and their fixes."""
 
-import sys
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
 from rankrun.results import assert_refused
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/transformers/tied_causal_lm.py"
@@ -25,20 +23,12 @@ GATHER_OFF = ("stage3_gather_16bit_weights_on_model_save=false. Saving the full 
 UNTIED = "but both are present in the checkpoints with different values, so we will NOT tie them"
 
 
-def example():
-    sys.path.insert(0, str(ROOT / "snippets" / "transformers"))  # the snippet imports tiny_t5
-    try:
-        return example_namespace(SNIPPET)
-    finally:
-        sys.path.remove(str(ROOT / "snippets" / "transformers"))
-
-
 @pytest.fixture(scope="module")
 def reference():
     """The same model, data and SGD in one process: one step over every example, STEPS steps."""
     from transformers import LlamaForCausalLM
 
-    ex = example()
+    ex = example_namespace(SNIPPET)
     model = LlamaForCausalLM.from_pretrained(ex["save_tiny_llama"]())
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
     inputs = torch.stack([example["input_ids"] for example in ex["token_dataset"]()])

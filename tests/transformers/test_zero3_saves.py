@@ -5,14 +5,12 @@ their load raises the exact message built here from the model's shapes; every ot
 loads to the logits of the same training done in one process without DeepSpeed, and so do
 the fixes and the recoveries from the DeepSpeed checkpoints."""
 
-import sys
-
 import pytest
 import torch
 
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, train_adapter_in_one_process
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches
 
 SNIPPET = "snippets/transformers/zero3_saves.py"
@@ -27,15 +25,6 @@ ADAPTER_WHOLE = [("adapter", name) for name in ("get_state_dict", "gathered", "s
                                                                   "save_model")]
 IGNORED = ("RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an error. "
            "For details look at the above report!")
-
-
-def example():
-    sys.path.insert(0, str(ROOT / "snippets" / "transformers"))  # it imports tied_causal_lm
-    try:
-        names = example_namespace(SNIPPET)
-        return {**vars(sys.modules["tied_causal_lm"]), **names}
-    finally:
-        sys.path.remove(str(ROOT / "snippets" / "transformers"))
 
 
 def size_mismatch(owner, shapes):
@@ -54,7 +43,7 @@ def reference():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import LlamaForCausalLM
 
-    ex = example()
+    ex = example_namespace(SNIPPET, with_siblings=["tied_causal_lm"])
     directory = ex["save_tiny_llama"]()
     inputs = torch.stack([row["input_ids"] for row in ex["token_dataset"]()])
     full = LlamaForCausalLM.from_pretrained(directory)
