@@ -273,3 +273,40 @@ def test_no_python_file_is_longer_than_one_concern_needs():
             and (lines := len((ROOT / name).read_text().splitlines())) > LONGEST_MODULE]
     assert not long, long
     assert "snippets/zero3/check_shared_reads.py" in shown_whole  # the rule sees whole includes
+
+
+PACKAGES = ("rankrun", "versions", "devtasks", "hooks", "benchmarks", "tests")
+
+
+def imports_between_folders() -> dict[str, set[str]]:
+    """folder -> the other project folders (and tasks.py) its Python files import."""
+    import ast
+
+    found = {folder: set() for folder in PACKAGES}
+    for folder in PACKAGES:
+        for path in (ROOT / folder).rglob("*.py"):
+            try:
+                tree = ast.parse(path.read_text())
+            except SyntaxError:  # a harness test's deliberately broken example
+                continue
+            for node in ast.walk(tree):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                         else [])
+                found[folder] |= {name.split(".")[0] for name in names} & {*PACKAGES, "tasks"} - {folder}
+    return found
+
+
+def test_imports_between_the_projects_folders_have_no_cycle():
+    """The harness stands alone; the matrix and the commands build on it; pages' hooks, benchmarks
+    and tests on them: no folder imports one that imports it back."""
+    graph = imports_between_folders()
+    assert graph["rankrun"] == set(), graph["rankrun"]
+    assert "versions" in graph["hooks"] and "devtasks" in graph["benchmarks"]  # the walk sees imports
+
+    def reaches(start, goal, seen=()):
+        return any(step == goal or (step not in seen and reaches(step, goal, (*seen, step)))
+                   for step in graph.get(start, ()))
+
+    cycles = [folder for folder in PACKAGES if reaches(folder, folder)]
+    assert not cycles, {folder: graph[folder] for folder in cycles}
