@@ -130,7 +130,10 @@ def run_once(snippet: str, nproc: int, timeout: float, run_dir: Path, children: 
     path and run_dir as the working directory: the kernel writes an aborted rank's core there."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()),
-               TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions")))
+               TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions")),
+               # as in the README's activated environment: its ninja builds DeepSpeed's op, so the
+               # op the commands built is reused (another ninja rebuilds it: docs/testing.md)
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
     if snippet.startswith(PLAIN):  # a command documented as `python SNIPPET`
         command = [sys.executable, str(ROOT / snippet[len(PLAIN):])]
     else:
