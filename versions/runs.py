@@ -134,38 +134,25 @@ def run_release(version: str, config: dict, repeat: int, only: list[str] | None 
         return {"row": row, "timings": timings}
     row["probe"].pop("versions", None)
     row["examples"] = {}
+
+    def record(section: str, key: str, ranks: int, path: str, variables: dict) -> None:
+        entry, seconds = repeated(python, env, ranks, path, variables, repeat)
+        row.setdefault(section, {})[key] = entry
+        timings.setdefault("runs", {})[key] = seconds
+        log(f"{version}: {key}: {describe_run(row[section][key])} ({', '.join(map(str, seconds))} s)")
+
     for key in commands_for(version, config):
         if only and not any(part in key for part in only):
             continue
         _, _, ranks, path = key.split(" ", 3)
-        runs = [run_command(python, env, int(ranks), path, extra) for _ in range(repeat)]
-        first = compared(runs[0])
-        row["examples"][key] = {
-            **first,
-            "runs": repeat,
-            "same_every_run": all(compared(run) == first for run in runs),
-            "aborted_at_exit": sum(any(rank["aborted_at_exit"] for rank in run["ranks"]) for run in runs),
-        }
-        timings.setdefault("runs", {})[key] = [run["seconds"] for run in runs]
-        log(f"{version}: {key}: {describe_run(row['examples'][key])} "
-            f"({', '.join(str(run['seconds']) for run in runs)} s)")
+        record("examples", key, int(ranks), path, extra)
     for key in package_commands_for(version, config):
         if only and not any(part in key for part in only):
             continue
         packages, ranks, path = parse_command(key)
         overlay = ensure_overlay(version, packages, env)
         with_overlay = {**extra, "PYTHONPATH": str(overlay / "site-packages")}
-        runs = [run_command(python, env, ranks, path, with_overlay) for _ in range(repeat)]
-        first = compared(runs[0])
-        row.setdefault("with_packages", {})[key] = {
-            **first,
-            "runs": repeat,
-            "same_every_run": all(compared(run) == first for run in runs),
-            "aborted_at_exit": sum(any(rank["aborted_at_exit"] for rank in run["ranks"]) for run in runs),
-        }
-        timings.setdefault("runs", {})[key] = [run["seconds"] for run in runs]
-        log(f"{version}: {key}: {describe_run(row['with_packages'][key])} "
-            f"({', '.join(str(run['seconds']) for run in runs)} s)")
+        record("with_packages", key, ranks, path, with_overlay)
     if extra and config.get("env_check"):
         path = config["env_check"]["example"]
         for ranks, _ in documented_commands(path)[:1]:
@@ -173,6 +160,20 @@ def run_release(version: str, config: dict, repeat: int, only: list[str] | None 
             row["without_env"] = {"command": f"torchrun --nproc_per_node {ranks} {path}",
                                   "raised": outcome["raised"], "ok": outcome["ok"]}
     return {"row": row, "timings": timings}
+
+
+def repeated(python: Path, env: Path, ranks: int, path: str, extra: dict, repeat: int) -> tuple[dict, list]:
+    """One documented command run `repeat` times: its entry in the data (the first run's outcome,
+    whether every run gave it, how many aborted at exit) and each run's seconds."""
+    runs = [run_command(python, env, ranks, path, extra) for _ in range(repeat)]
+    first = compared(runs[0])
+    entry = {
+        **first,
+        "runs": repeat,
+        "same_every_run": all(compared(run) == first for run in runs),
+        "aborted_at_exit": sum(any(rank["aborted_at_exit"] for rank in run["ranks"]) for run in runs),
+    }
+    return entry, [run["seconds"] for run in runs]
 
 
 def describe_run(entry: dict) -> str:
