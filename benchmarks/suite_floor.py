@@ -228,11 +228,13 @@ def whole_suite(command: list[str], name: str, target: float, env: dict | None =
         # -v: each test's outcome as it ends, so an interrupted run still says which tests failed
         wall, cpu, done = timed(command + ["-v", "--durations=0"], {**(env or {}), "RANKRUN_KEEP_RUN_LOG": str(log)})
         asked = requests(log)
+        kept_log = Path(tempfile.mkstemp(prefix="suite-floor-requests-", suffix=".jsonl")[1])
+        kept_log.write_text(log.read_text() if log.exists() else "")
     summary = SUMMARY.search(done.stdout)
     figure(name, wall, cpu, before, target, f"; pytest: {summary.group(1)} in {summary.group(2)} s" if summary else "")
     kept = Path(tempfile.mkstemp(prefix="suite-floor-output-", suffix=".txt")[1])
     kept.write_text(done.stdout + done.stderr)
-    print(f"  pytest's whole output: {kept}")
+    print(f"  pytest's whole output: {kept}; the run cache's requests (test, run, wall time): {kept_log}")
     runs = RUNS.search(done.stdout)
     if runs:
         print(f"  {runs.group(0)}")
