@@ -355,12 +355,13 @@ def default_loop(engine, inputs):
 def _start_process_group():
     if torch.distributed.is_initialized():
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
-        os.environ[key] = value
+    if "MASTER_PORT" not in os.environ:  # plain `python`: a group of one rank, on a free port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    # else torchrun's: its agent holds the rendezvous store at MASTER_PORT
     # The CPU accelerator (DS_ACCELERATOR=cpu, set above unless you chose another): gloo.
     backend = get_accelerator().communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend, verbose=False)

@@ -7,10 +7,12 @@ import runpy
 import subprocess
 import sys
 
+import pytest
+
 from rankrun import marks
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace, predicted_outcome
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import ROOT, check_torchrun, printed_by_the_example, run_snippet, run_torchrun
 
 SNIPPET = "snippets/zero3/check_shared_reads.py"
 EXAMPLES = "snippets/zero3/check_examples.py"
@@ -72,3 +74,15 @@ def test_example_without_arguments(expect_output):
     result = run_snippet(SNIPPET, 1).check()
     assert "embeddings.weight" in result.output
     expect_output(result, output_file(SNIPPET))
+
+
+@pytest.mark.slow  # torchrun and a new interpreter: what the pool saves everywhere else
+@marks.findings
+def test_the_documented_torchrun_command_prints_the_output_file():
+    """The page's command, run for real: under torchrun the checker joins torchrun's
+    rendezvous (its agent holds the store) instead of starting a group of its own, which would
+    wait forever for a store nobody serves."""
+    command = "DS_ACCELERATOR=cpu torchrun --nproc_per_node 1 snippets/zero3/check_shared_reads.py"
+    assert command in (ROOT / "docs/zero3/check-your-model.md").read_text()
+    done = check_torchrun(run_torchrun(SNIPPET, 1, timeout=300))
+    assert printed_by_the_example(done.stdout) == output_file(SNIPPET).read_text()
