@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rankrun.pages import output_file
+from rankrun.project import PEER_WENT_AWAY
 from rankrun.reference import example_namespace, gradient_norm, layers_seeded_like_deepspeed
 from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
@@ -82,9 +83,11 @@ def test_deepspeeds_own_seeding_with_a_type_partition_raises(expect_output):
     assert not result.ok and result.errors == [
         "TypeError: The only supported seed types are: None,\n"
         "int, float, str, bytes, and bytearray."], result.failure_report()
-    # Every rank raises it; under load the runner may stop a slower rank after the first
-    # one raised (its grace period), before it gets there.
-    raised = [rank for rank in result.ranks if rank.exception]
+    # Every rank raises it; under load a slower rank may not get there: the runner stops it
+    # after the first one raised (its grace period), or the collective it is in fails because
+    # that rank went away (gloo's "Connection reset by peer").
+    raised = [rank for rank in result.ranks
+              if rank.exception and not PEER_WENT_AWAY.search(rank.exception["message"])]
     assert result.ranks[0] in raised or len(raised) == 1, result.failure_report()
     for rank in raised:
         assert "ds_utils.set_random_seed(self.base_seed + layer_idx)" in rank.exception["traceback"]
