@@ -149,8 +149,8 @@ def train(give_engine, policy):
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
-    say(f"deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, "
-        f"accelerate {accelerate.__version__}, trl {trl.__version__}")
+    say(f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
+        f"trl {trl.__version__}")  # the DeepSpeed release: the page's stamp or note
     results = {}
     for policy in (LlamaForCausalLM, HeadReadingLlama):
         for given, give_engine in (("engine", True), ("engine.module", False)):
