@@ -26,7 +26,8 @@ The modules, by what they are:
     rank_main.py         the rank process, and the zygote's main loop
     lifetime.py          how a rank's and the zygote's processes live and end: subreaper,
                          death with the parent, what a snippet left running
-    processes.py         the process table the runner's tests read (nothing left running)
+    processes.py         the process table the runner's tests read (nothing left running),
+                         and how they start a command they interrupt
     plugin.py            pytest plugin: `expect_output` fixture, `--update-outputs`, `--changed`,
                          `--order`, one temporary directory per session
     changed.py           which tests a change can affect (`--changed`)

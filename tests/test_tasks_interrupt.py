@@ -20,34 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from rankrun.processes import command_line, interruptible, still_running
 from rankrun.runner import ROOT
 
 pytestmark = pytest.mark.slow  # checks of the commands, not of an example
-
-
-def still_running(processes) -> list:
-    """The processes that are running and not zombies; one that exits while we ask is gone."""
-    import psutil
-
-    running = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                running.append(process)
-        except psutil.Error:
-            pass
-    return running
-
-
-def command_line(process) -> list[str]:
-    """A process's command line; [] for one that exited since it was listed (short-lived
-    children come and go while the command starts)."""
-    import psutil
-
-    try:
-        return process.cmdline()
-    except psutil.Error:
-        return []
 
 
 WAITING_TESTS = '''
@@ -79,12 +55,12 @@ def start_waiting_session(tmp_path: Path, workers: str, terminal: bool):
         main_fd, terminal_fd = pty.openpty()
         session = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal_fd, stdout=terminal_fd,
                                    stderr=terminal_fd, start_new_session=True,
-                                   preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                                   preexec_fn=lambda: (interruptible(), fcntl.ioctl(0, termios.TIOCSCTTY, 0)))
         os.close(terminal_fd)
         session.terminal = main_fd
     else:
         session = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True)
+                                   text=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 120
     while not waiting.exists():
         assert session.poll() is None and time.monotonic() < deadline, "the test never started"
@@ -191,7 +167,7 @@ def test_ctrl_c_while_the_notebook_runs_leaves_no_process_and_no_file(args):
     command = [sys.executable, "tasks.py", *(arg.format(port=free_local_port()) for arg in args)]
     session = subprocess.Popen(command, cwd=ROOT, env=env, stdin=terminal_fd, stdout=terminal_fd,
                                stderr=terminal_fd, start_new_session=True,
-                               preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                               preexec_fn=lambda: (interruptible(), fcntl.ioctl(0, termios.TIOCSCTTY, 0)))
     os.close(terminal_fd)
     output = []
     reader = __import__("threading").Thread(target=lambda: output.append(read_terminal(main_fd)), daemon=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rankrun import project, runner
-from rankrun.processes import alive
+from rankrun.processes import alive, interruptible
 from rankrun.runner import ROOT, SnippetFailed, run_snippet
 
 pytestmark = pytest.mark.slow  # checks of the runner, not of an example
@@ -215,6 +215,7 @@ def start_interrupted_session(tmp_path, fresh: bool):
     session = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES / "interrupted_session.py")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=interruptible,
     )
     deadline = time.monotonic() + 120
     while not (pids_file.exists() and len(pids_file.read_text().split()) == 4):
@@ -222,6 +223,21 @@ def start_interrupted_session(tmp_path, fresh: bool):
         assert time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.1)
     return session, [int(pid) for pid in pids_file.read_text().split()]  # two ranks and their children
+
+
+def test_a_command_started_interruptible_takes_ctrl_c_when_the_suite_ignores_it():
+    """A suite started in the background (`cmd &` in a script, nohup) has SIGINT ignored, which
+    its children inherit: a Python started so never raises KeyboardInterrupt. The Ctrl-C tests
+    start their commands through `interruptible`, which gives SIGINT back its default."""
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        inherited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        restored = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  preexec_fn=interruptible)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (inherited.stdout, restored.stdout) == ("False\n", "True\n")
 
 
 @pytest.mark.parametrize("fresh", [False, True], ids=["pool", "fresh"])
