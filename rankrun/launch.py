@@ -28,7 +28,17 @@ def kill_group(process: subprocess.Popen, wait: bool = True) -> None:
     unless `wait` is False."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        # No such group: the rank ended, or it has not called setsid yet (a pool worker the
+        # zygote forked a moment ago is still in the zygote's group, and a runner that closes
+        # a spare pool at once gets here). One not known to have ended is killed alone: it has
+        # started nothing yet, and left alive it would wait for a job forever, and we for it.
+        if process.poll() is None:
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    except PermissionError:
         pass
     if wait:
         process.wait()

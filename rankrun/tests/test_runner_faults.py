@@ -13,12 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from rankrun import project, runner
+from rankrun import launch, pool, project, runner
 from rankrun.processes import alive, interruptible
 from rankrun.runner import ROOT, SnippetFailed, run_snippet
 
@@ -223,6 +224,26 @@ def start_interrupted_session(tmp_path, fresh: bool):
         assert time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.1)
     return session, [int(pid) for pid in pids_file.read_text().split()]  # two ranks and their children
+
+
+def test_a_rank_not_yet_in_a_group_of_its_own_is_killed_all_the_same():
+    """A pool worker the zygote forked a moment ago has not called setsid yet: killing its group
+    finds none. It is killed alone; left alive, it would wait for a job forever and the runner
+    closing the pool for it (seen: a spare pool closed right after it was forked)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # our group
+    launch.kill_group(process, wait=False)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_spare_pools_closed_as_soon_as_they_are_forked_close():
+    def fork_and_close():
+        for _ in range(5):
+            pool.RankPool(2).close()
+
+    closing = threading.Thread(target=fork_and_close, daemon=True)
+    closing.start()
+    closing.join(timeout=120)
+    assert not closing.is_alive(), "a pool closed at once waited for a worker forever"
 
 
 def test_a_command_started_interruptible_takes_ctrl_c_when_the_suite_ignores_it():
