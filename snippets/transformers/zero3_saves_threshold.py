@@ -76,8 +76,7 @@ def load(directory, folder, adapter):
 
 
 def main():
-    world_size = int(os.environ["WORLD_SIZE"])
-    rank = torch.distributed.get_rank()
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     transformers.logging.set_verbosity_error()  # the load report: the error says enough
     directory = save_wide_llama()
     results = {}
