@@ -1,6 +1,6 @@
 """pytorch/pytorch issue #176076 by run: the tied model of snippets/pipeline/fsdp_tied_uneven.py
-(15 rows, which 2 ranks split 8 + 7) with its embedding and its head in separate `fully_shard`
-groups, trained 3 steps on 2 CPU processes over gloo, beside the same model in one process, for
+(15 rows, which 2 ranks split 8 + 7 and 4 ranks 4 + 4 + 4 + 3) with its embedding and its head
+in separate `fully_shard` groups, trained 3 steps on 2 and on 4 CPU processes over gloo, beside the same model in one process, for
 each Python interpreter given (each with its own torch installed): whether every row of each
 rank's shard changed, and how far the weight is from the one-process weight. Writes what it
 printed to snippets/pipeline/fsdp2_uneven_run.txt.
@@ -49,13 +49,20 @@ def ranks():
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        apart = (got["weight"] - model.embed.weight.detach()).abs().max().item()
+        torch.manual_seed(ex["SEED"])
+        start = ex["TiedLanguageModel"]().embed.weight.detach()
+        shards = torch.arange(ex["VOCAB"]).chunk(world)
         lines += [
             "  losses " + " ".join(f"{x:.4f}" for x in got["losses"])
             + " (one process " + " ".join(f"{x:.4f}" for x in losses) + ")",
-            f"  rows of each rank's shard: {got['rows']}; every row changed: "
-            f"{got['every row of the shard changed']}",
-            f"  max |embed.weight - the one-process weight| after the steps: {apart:.4f}"]
+            f"  rows of each rank's shard: {got['rows']}"]
+        for name in ("weight", "head"):
+            weight = got[name]
+            changed = [int((weight[rows] != start[rows]).any(dim=1).sum()) for rows in shards]
+            apart = (weight - model.embed.weight.detach()).abs().max().item()
+            label = "embed.weight" if name == "weight" else "head.weight"
+            lines.append(f"  {label}: rows changed in each rank's shard {changed}; "
+                         f"max |{label} - the one-process weight| {apart:.4f}")
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
     dist.destroy_process_group()
@@ -64,14 +71,15 @@ def ranks():
 def main(pythons):
     printed = []
     for python in pythons:
-        run = subprocess.run(
-            [python, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_port", "29533", __file__, "--ranks"],
-            capture_output=True, text=True, cwd=ROOT, timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if run.returncode:
-            raise SystemExit(f"{python}: exit status {run.returncode}\n{run.stderr[-3000:]}")
-        printed.append(run.stdout.strip())
+        for ranks in ("2", "4"):
+            run = subprocess.run(
+                [python, "-m", "torch.distributed.run", "--nproc_per_node", ranks,
+                 "--master_port", "29533", __file__, "--ranks"],
+                capture_output=True, text=True, cwd=ROOT, timeout=600,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if run.returncode:
+                raise SystemExit(f"{python}: exit status {run.returncode}\n{run.stderr[-3000:]}")
+            printed.append(run.stdout.strip())
     RECORD.write_text("\n".join(printed) + "\n")
     print(RECORD.read_text(), end="")
 

@@ -78,7 +78,8 @@ def train(device, separate_groups=False):
     changed = [bool((weight[rows] != start[rows].to(device)).any(dim=1).all())
                for rows in shards]
     return {"losses": losses, "weight": weight.cpu(), "rows": [len(r) for r in shards],
-            "every row of the shard changed": changed}
+            "every row of the shard changed": changed,
+            "head": model.head.weight.full_tensor().detach().cpu()}
 # --8<-- [end:train]
 
 
