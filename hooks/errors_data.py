@@ -128,7 +128,7 @@ def fields_of(where: str, table, allowed, required, problems) -> dict | None:
     if wrong:
         problems.append(f"{where}: field {', '.join(map(repr, wrong))} must be "
                         + ("true or false" if wrong == ["source"] else "a string"))
-    return None if missing or wrong else table
+    return None if unknown or missing or wrong else table
 
 
 def load(docs: Path, root: Path) -> tuple[Data, list[str]]:
@@ -287,7 +287,9 @@ def validate(data: Data, docs: Path, root: Path) -> list[str]:
         github = GITHUB_ID.match(thread.id)
         if github:
             expected = f"https://github.com/{github['repo']}/{KINDS.get(thread.kind)}/{github['number']}"
-            if thread.kind in KINDS and thread.url.lower() != expected.lower():
+            if thread.kind in KINDS and not KINDS[thread.kind]:
+                problems.append(f"{where}: a GitHub thread's kind is issue, pull or discussion, not {thread.kind!r}")
+            elif thread.kind in KINDS and thread.url.lower() != expected.lower():
                 problems.append(f"{where}: url {thread.url!r} is not its {thread.kind}'s address {expected!r}")
             expected_file = github["repo"].replace("/", "-") + ".toml"
         elif thread.kind == "forum" and thread.url == f"https://{thread.id}":
