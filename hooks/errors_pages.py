@@ -98,8 +98,8 @@ def entry_cause_lines(data, entry, cause, docs: Path, cache: dict) -> list[str]:
         lines.append(f"**How to tell:** {plain(cause.tell)}")
     lines.append(f"**Fix:** {link(docs, cause.section, cache)}")
     if cause.source:
-        lines.append(f"**Read from source**, not printed by a run here (the section says so); "
-                     f"releases: {plain(cause.releases)}")
+        lines.append(f"**Read from source**, not printed by a run here (the section says so): "
+                     f"{plain(cause.releases)}")
     elif entry.is_symptom:
         lines.append(f"**Shown by a run:** {code(cause.evidence)} in {code(cause.output)}, "
                      f"on {plain(cause.releases)}")

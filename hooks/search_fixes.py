@@ -16,7 +16,9 @@ search box in Chromium and Material's worker under Node):
 3. Material searches every word as a prefix (`word*`), so a heading with many words that only
    start like a short word of the message (`a`, `be`, `0`) outranked the heading that is the
    message. Fixed: each word is searched as itself and as a prefix, so a whole word counts
-   twice; a word still being typed matches as before.
+   twice; a word still being typed matches as before. And a command-line flag in a message
+   (`--use-torch-fsdp2`) made lunr's query parser raise (a `-` before a word means "without
+   it"), so the box said "No matching documents": the leading dashes of a word are dropped.
 
 Each fix replaces one exact piece of the minified worker; if Material's worker changes, the
 build stops and names the fix to redo (or to drop, if the new release fixed it).
@@ -39,9 +41,9 @@ FIXES = {
         'case"FIELD":["title","text","tags"].includes(s)||(e=[e.slice(0,a)," ",e.slice(a+1)].join(""),'
         'H(s,lunr.tokenizer.separator,(...u)=>{r.push(s.slice(...u))}));break;',
     ),
-    "each word searched as itself and as a prefix": (
+    "each word searched as itself and as a prefix; a flag's dashes no operator": (
         '.map(r=>/(^[+-]|[~^]\\d+$)/.test(r)?r:`${r}*`).join(" ")',
-        '.map(r=>/(^[+-]|[~^]\\d+$)/.test(r)?r:`${r} ${r}*`).join(" ")',
+        '.map(r=>r.replace(/^[-+]{2,}(?=.)/,"")).map(r=>/(^[+-]|[~^]\\d+$)/.test(r)?r:`${r} ${r}*`).join(" ")',
     ),
 }
 
