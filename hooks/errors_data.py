@@ -9,7 +9,8 @@ The data, under docs/errors/:
 - threads/*.toml: the threads, one file per repository (or forum), each naming one cause.
 
 Invalid data stops the build with one line per problem: the file, the entry and what is
-wrong (`validate`). Standard library only, besides Markdown's toc extension for anchors.
+wrong (`validate`). Anchors are computed as the build computes them: Markdown's toc
+extension, fenced blocks skipped with rankrun.pages' reader.
 """
 
 from __future__ import annotations
