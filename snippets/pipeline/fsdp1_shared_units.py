@@ -20,6 +20,15 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 VOCAB, DIM, SEQ, BATCH, SEED, LR, STEPS = 16, 8, 6, 8, 0, 0.5, 3
 
 
+def this_ranks_device():
+    """The CPU here (then gloo); with an accelerator (not run here), LOCAL_RANK's."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type,
+                            torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
 class TiedLanguageModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -39,17 +48,16 @@ def batch():
 
 
 # --8<-- [start:layouts]
-def wrap(layout, model):
-    cpu = torch.device("cpu")  # FSDP1 wants a device_id on CPU
+def wrap(layout, model, device):
     if layout == "embed in a unit of its own, use_orig_params=True":
-        model.embed = FSDP(model.embed, device_id=cpu, use_orig_params=True)
-        return FSDP(model, device_id=cpu, use_orig_params=True)
+        model.embed = FSDP(model.embed, device_id=device, use_orig_params=True)
+        return FSDP(model, device_id=device, use_orig_params=True)
     if layout == "head in a unit of its own, use_orig_params=True":
-        model.head = FSDP(model.head, device_id=cpu, use_orig_params=True)
-        return FSDP(model, device_id=cpu, use_orig_params=True)
+        model.head = FSDP(model.head, device_id=device, use_orig_params=True)
+        return FSDP(model, device_id=device, use_orig_params=True)
     if layout == "auto_wrap_policy=ModuleWrapPolicy({nn.Embedding})":
         policy = ModuleWrapPolicy({nn.Embedding})  # the embedding: a unit
-        return FSDP(model, device_id=cpu, auto_wrap_policy=policy)
+        return FSDP(model, device_id=device, auto_wrap_policy=policy)
     raise ValueError(layout)  # pragma: no cover (a layout this file does not define)
 # --8<-- [end:layouts]
 
@@ -60,16 +68,16 @@ LAYOUTS = ["embed in a unit of its own, use_orig_params=True",
 
 
 # --8<-- [start:train]
-def train(layout):
+def train(layout, device):
     torch.manual_seed(SEED)
-    model = TiedLanguageModel()
-    wrapped = wrap(layout, model)  # no layout raises here
+    model = TiedLanguageModel().to(device)
+    wrapped = wrap(layout, model, device)  # no layout raises here
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     rank, world = dist.get_rank(), dist.get_world_size()
     if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
         raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
                          "on 2 or 4 ranks (the printed losses were checked there)")
-    tokens, targets = batch()
+    tokens, targets = (t.to(device) for t in batch())
     mine = slice(rank, None, world)  # data parallel: each rank trains on its share
     losses, gaps = [], []
     for _ in range(STEPS):
@@ -90,8 +98,9 @@ def train(layout):
 
 
 def main():
-    dist.init_process_group("gloo")
-    results = {layout: train(layout) for layout in LAYOUTS}
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
+    results = {layout: train(layout, device) for layout in LAYOUTS}
     if dist.get_rank() == 0:
         for layout, got in results.items():
             print(f"{layout}:")

@@ -1,5 +1,5 @@
-"""A tied model built on the meta device, sharded with FSDP2 (fully_shard), materialized with
-to_empty() and filled from a full state dict that rank 0 broadcasts: in which order the tie
+"""A tied model built on the meta device, sharded with FSDP2 (fully_shard), materialized
+with to_empty() and filled from a full state dict that rank 0 broadcasts: in which order the tie
 survives, what unties it silently, and what ties it again.
 
 Run on CPU (2 processes):

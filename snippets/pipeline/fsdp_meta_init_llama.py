@@ -25,6 +25,15 @@ from torch.distributed.fsdp import fully_shard
 VOCAB, SEQ, BATCH, STEPS, SEED, LR = 64, 8, 8, 3, 0, 0.5
 
 
+def this_ranks_device():
+    """The CPU here (then gloo); with an accelerator (not run here), LOCAL_RANK's."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type,
+                            torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
 def tiny_llama():
     return transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -42,7 +51,7 @@ def tied(model):
 
 
 # --8<-- [start:build]
-def build(empty_context, tie_again=False):
+def build(device, empty_context, tie_again=False):
     with empty_context():
         model = transformers.LlamaForCausalLM(tiny_llama())
     built_tied = tied(model)
@@ -51,7 +60,11 @@ def build(empty_context, tie_again=False):
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)  # the root group: both embeddings, the norm
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
+    # to_empty() leaves buffers uninitialized too, and RoPE's inv_freq is in
+    # no state dict: compute it again
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(model.config).to(device)
     return model, built_tied
 
 
@@ -78,7 +91,7 @@ CASES = {
 }
 
 
-def train(model):
+def train(model, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rank, world = dist.get_rank(), dist.get_world_size()
     if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
@@ -86,7 +99,7 @@ def train(model):
                          "on 2 or 4 ranks (the printed losses were checked there)")
     steps = []
     for step in range(STEPS):
-        tokens = batch(step)[rank::world]  # data parallel: this rank's share
+        tokens = batch(step)[rank::world].to(device)  # data parallel: this rank's share
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
@@ -111,8 +124,8 @@ def saved_in_one_process(where):
 
 
 # --8<-- [start:strict]
-def strict_load_of_the_file(path):
-    model, _ = build(meta_device)
+def strict_load_of_the_file(path, device):
+    model, _ = build(device, meta_device)
     state = load_file(path) if dist.get_rank() == 0 else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     try:
@@ -123,7 +136,8 @@ def strict_load_of_the_file(path):
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where)  # one folder, rank 0's
     saved = [None]
@@ -133,11 +147,11 @@ def main():
     path, keys = saved[0]
     results = {}
     for name, case in CASES.items():
-        model, built_tied = build(**case)
+        model, built_tied = build(device, **case)
         load(model, path)
         results[name] = {"built tied": built_tied, "tied after load": tied(model),
-                         **train(model)}
-    refused = strict_load_of_the_file(path)
+                         **train(model, device)}
+    refused = strict_load_of_the_file(path, device)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(where[0])

@@ -26,6 +26,15 @@ from torch.distributed.fsdp import fully_shard
 VOCAB, DIM, SEQ, BATCH, SEED, LR, STEPS = 16, 8, 6, 8, 0, 0.05, 2
 
 
+def this_ranks_device():
+    """The CPU here (then gloo); with an accelerator (not run here), LOCAL_RANK's."""
+    if torch.accelerator.is_available():  # pragma: no cover - GPUs, not run here
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+        return torch.device(torch.accelerator.current_accelerator().type,
+                            torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
 class TiedLanguageModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -44,30 +53,29 @@ def batch():
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def wrap(layout):
+def wrap(layout, device):
     """The model and what takes part in training: the wrapper for FSDP1."""
     torch.manual_seed(SEED)
-    model = TiedLanguageModel()
-    cpu = torch.device("cpu")  # FSDP1 wants a device_id on CPU
+    model = TiedLanguageModel().to(device)
     if layout == "FSDP2":
         fully_shard(model)
         return model, model
     if layout == "FSDP1":
-        return model, FSDP(model, device_id=cpu)
+        return model, FSDP(model, device_id=device)
     if layout == "FSDP1, use_orig_params=True":
-        return model, FSDP(model, device_id=cpu, use_orig_params=True)
+        return model, FSDP(model, device_id=device, use_orig_params=True)
     raise ValueError(layout)  # pragma: no cover (a layout this file does not define)
 
 
 LAYOUTS = ["FSDP2", "FSDP1", "FSDP1, use_orig_params=True"]
 
 
-def train(wrapped, optimizer, steps):
+def train(wrapped, optimizer, steps, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
         raise ValueError(f"{BATCH} samples do not split evenly over {world} ranks; run "
                          "on 2 or 4 ranks (the printed losses were checked there)")
-    tokens, targets = batch()
+    tokens, targets = (t.to(device) for t in batch())
     mine = slice(rank, None, world)  # data parallel: each rank trains on its share
     losses = []
     for _ in range(steps):
@@ -95,17 +103,17 @@ def load(wrapped, optimizer, folder, options):
                    optim_state_dict=state["optim"], options=options)
 
 
-def save_train_reload(layout, folder, options):
-    model, wrapped = wrap(layout)
+def save_train_reload(layout, folder, options, device):
+    model, wrapped = wrap(layout, device)
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=LR)
-    before = train(wrapped, optimizer, STEPS)
+    before = train(wrapped, optimizer, STEPS, device)
     save(wrapped, optimizer, folder, options)
-    uninterrupted = train(wrapped, optimizer, STEPS)  # what resuming must give
-    fresh, wrapped = wrap(layout)  # a new process would start here
+    uninterrupted = train(wrapped, optimizer, STEPS, device)  # resuming must give it
+    fresh, wrapped = wrap(layout, device)  # a new process would start here
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=LR)
     load(wrapped, optimizer, folder, options)
     tied = fresh.head.weight is fresh.embed.weight
-    return before, uninterrupted, train(wrapped, optimizer, STEPS), tied
+    return before, uninterrupted, train(wrapped, optimizer, STEPS, device), tied
 # --8<-- [end:save_load]
 
 
@@ -119,15 +127,16 @@ def written(folder):
     return model, state
 
 
-def full_state_keys(layout):
+def full_state_keys(layout, device):
     """The keys of the full state dict (full_state_dict=True)."""
-    _, wrapped = wrap(layout)
+    _, wrapped = wrap(layout, device)
     options = StateDictOptions(full_state_dict=True)
     return list(get_model_state_dict(wrapped, options=options))
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
     root = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root)  # one folder, rank 0's
     cases = [(layout, False) for layout in LAYOUTS] + [("FSDP2", True)]
@@ -137,10 +146,10 @@ def main():
         folder = os.path.join(root[0], str(len(results)))
         options = StateDictOptions(flatten_optimizer_state_dict=flat)
         before, uninterrupted, resumed, tied = save_train_reload(
-            layout, folder, options)
+            layout, folder, options, device)
         results[name] = {"before": before, "uninterrupted": uninterrupted,
                          "resumed": resumed, "tied": tied, "written": written(folder)}
-    full = {layout: full_state_keys(layout) for layout in LAYOUTS}
+    full = {layout: full_state_keys(layout, device) for layout in LAYOUTS}
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root[0])
