@@ -136,6 +136,33 @@ def without_the_heads_key(device):
 # --8<-- [end:without_head]
 
 
+GROUPS = {"the root": [], "the mixer apart": ["mixer"],
+          "embed and head in one group": [("embed", "head")]}
+
+
+def every_group_layout():
+    """Beyond the page: both orders with the tie in other FSDP2 groups, 3 steps each."""
+    device = this_ranks_device()
+    dist.init_process_group(dist.get_default_backend_for_device(device))
+    results = {}
+    for layout, groups in GROUPS.items():
+        for shard_first in (True, False):
+            with torch.device("meta"):
+                model = TiedLanguageModel()
+            if not shard_first:
+                model.to_empty(device=device)
+            for group in groups:
+                names = group if isinstance(group, tuple) else (group,)
+                fully_shard([getattr(model, name) for name in names])
+            fully_shard(model)
+            if shard_first:
+                model.to_empty(device=device)
+            fill(model, pretrained())
+            results[layout, shard_first] = train(model, device)
+    dist.destroy_process_group()
+    return results
+
+
 def report(name, got):
     print(f"{name}:")
     for step, s in enumerate(got["steps"]):

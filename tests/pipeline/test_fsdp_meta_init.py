@@ -87,3 +87,27 @@ def test_a_rank_count_that_does_not_split_the_batch_is_refused():
     assert_refused(result, (
         "ValueError: 8 samples do not split evenly over 3 ranks; "
         "run on 2 or 4 ranks (the printed losses were checked there)"))
+
+
+def test_the_order_decides_in_every_group_layout():
+    """Beyond the page's layout (the root group only), on 4 ranks: with the mixer in a group of
+    its own, and with the embedding and the head in one group of their own, fully_shard before
+    to_empty() keeps the tie and trains as one process; to_empty() first trains two weights."""
+    result = run_snippet(SNIPPET, 4, call="every_group_layout").check()
+    ref_losses, ref_weight = train_in_one_process()
+    layouts = example_namespace(SNIPPET)["GROUPS"]
+    for rank in range(4):
+        got = result.returned(rank)
+        assert sorted(got) == sorted((layout, first) for layout in layouts
+                                     for first in (True, False))
+        for (layout, shard_first), run in got.items():
+            steps = run["steps"]
+            losses = [s["loss"] for s in steps]
+            assert [s["one Parameter"] for s in steps] == [shard_first] * len(steps), layout
+            if shard_first:
+                assert all(s["gap"] == 0.0 for s in steps), layout
+                assert_matches(losses, ref_losses, f"{layout} losses")
+                assert_matches(run["embed"], ref_weight, f"{layout} weight")
+            else:
+                assert all(s["gap"] > 1e-2 for s in steps), (layout, steps)
+                assert not matches(losses, ref_losses), layout
