@@ -75,7 +75,12 @@ def main() -> int:
         for release in releases:
             url, size = wheel(index, release)
             path = path_of(release)
-            lines.append(f"  torch {release} ({path}): {holds(member(url, size, path))}")
+            source = member(url, size, path)
+            lines.append(f"  torch {release} ({path}): {holds(source)}")
+            if question == CHECKS[0][0] and holds(source):  # the message it raises
+                raised = next(line for line in source.decode().splitlines()
+                              if "single device modules" in line)
+                lines.append(f"    raises RuntimeError({raised.strip()})")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     RECORD.write_text(text)
