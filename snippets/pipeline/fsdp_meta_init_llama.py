@@ -123,7 +123,6 @@ def saved_in_one_process(where):
     return path, sorted(k for k in load_file(path) if "embed" in k or "head" in k)
 
 
-# --8<-- [start:strict]
 def strict_load_of_the_file(path, device):
     model, _ = build(device, meta_device)
     state = load_file(path) if dist.get_rank() == 0 else {}
@@ -132,7 +131,6 @@ def strict_load_of_the_file(path, device):
         set_model_state_dict(model, state, options=options)
     except RuntimeError as error:
         return f"RuntimeError: {error}"
-# --8<-- [end:strict]
 
 
 def main():
