@@ -14,7 +14,8 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 # message heading on the page -> the output file that shows it
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
-    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out"],
+    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out",
+                                           "../pipeline/fsdp1_shared_units.out"],
     "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
@@ -75,6 +76,9 @@ SOURCES = {
         "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
     "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
         "../transformers/init_under_zero_init.out"],
+    # Tied weights with FSDP: meta-device init and FSDP1 units (pipeline/fsdp-tied-init-checkpoints.md)
+    'Missing key(s) in state_dict: "lm_head.weight".': ["../pipeline/fsdp_meta_init_llama.out"],
+    "RuntimeError: size mismatch, got input (24), mat (24x8), vec (64)": ["../pipeline/fsdp1_shared_units.out"],
     # Fused losses, TRL's generation helper and copied models
     "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
