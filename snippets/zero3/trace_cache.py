@@ -1,6 +1,7 @@
 """A module used on some steps only, under ZeRO-3: DeepSpeed prints "Invalidate trace cache"
-when the order of modules changes from one step to the next. Training still equals plain
-PyTorch. (Time per step: benchmarks/trace_cache.py.)
+when the order of modules changes from one step to the next, and a parameter that gets no
+gradient in a step is updated again with its last gradient, whether the order changed or not.
+Compared with plain PyTorch, with SGD and with Adam. (Time per step: benchmarks/trace_cache.py.)
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/trace_cache.py
@@ -21,6 +22,11 @@ STEPS = int(os.environ.get("TRACE_CACHE_STEPS", "4"))
 
 
 # --8<-- [start:model]
+class AuxiliaryHead(nn.Linear):
+    def forward(self, hidden, with_bias=True):
+        return F.linear(hidden, self.weight, self.bias if with_bias else None)
+
+
 class WithAuxiliaryHead(nn.Module):
     """A tied language model with an auxiliary head that only some steps use."""
 
@@ -28,16 +34,18 @@ class WithAuxiliaryHead(nn.Module):
         super().__init__()
         self.embeddings = nn.Embedding(VOCAB, HIDDEN)
         self.layer = nn.Linear(HIDDEN, HIDDEN)
-        self.aux = nn.Linear(HIDDEN, VOCAB)
+        self.aux = AuxiliaryHead(HIDDEN, VOCAB)
 
-    def forward(self, tokens, use_aux, always_call=False):
+    def forward(self, tokens, aux="used"):
         hidden = torch.tanh(self.layer(self.embeddings(tokens)))
         logits = hidden @ self.embeddings.weight.t()
-        if use_aux:  # another module order on these steps
+        if aux == "used":
             logits = logits + self.aux(hidden)
-        elif always_call:  # the same module order on every step, and a zero gradient
+        elif aux == "zero":  # the same module order as "used", and a zero gradient
             logits = logits + 0.0 * self.aux(hidden)
-        return logits
+        elif aux == "no bias":  # the same module order: aux.bias gets no gradient
+            logits = logits + self.aux(hidden, with_bias=False)
+        return logits  # "skipped": another module order on these steps
 # --8<-- [end:model]
 
 
@@ -46,14 +54,29 @@ def batch(step):
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
 
 
-SCHEDULES = ("every step", "odd steps", "odd steps, always called")
+# schedule: (the auxiliary head in each step, the optimizer)
+SCHEDULES = {
+    "every step": (lambda step: "used", "SGD"),
+    "odd steps": (lambda step: "used" if step % 2 else "skipped", "SGD"),
+    "step 1 only": (lambda step: "used" if step == 1 else "skipped", "SGD"),
+    "odd steps, without its bias on the others":
+        (lambda step: "used" if step % 2 else "no bias", "SGD"),
+    "odd steps, always called": (lambda step: "used" if step % 2 else "zero", "SGD"),
+    "odd steps, always called, Adam": (lambda step: "used" if step % 2 else "zero", "Adam"),
+}
 
 
-def uses_aux(schedule, step):
-    return schedule == "every step" or step % 2 == 1
+def aux_mode(schedule, step):
+    return SCHEDULES[schedule][0](step)
 
 
-def engine_for():
+def make_optimizer(schedule, parameters):
+    if SCHEDULES[schedule][1] == "Adam":
+        return torch.optim.Adam(parameters, lr=LR)
+    return torch.optim.SGD(parameters, lr=LR)
+
+
+def engine_for(schedule):
     world = torch.distributed.get_world_size()
     # --8<-- [start:config]
     config = {"train_micro_batch_size_per_gpu": BATCH // world,
@@ -64,7 +87,7 @@ def engine_for():
     torch.manual_seed(SEED)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = WithAuxiliaryHead()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = make_optimizer(schedule, model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -77,8 +100,7 @@ def full_grad(param):
 def train_step(engine, schedule, step):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     tokens = batch(step)[rank::world].to(engine.device)
-    logits = engine(tokens[:, :-1], use_aux=uses_aux(schedule, step),
-                    always_call=schedule.endswith("always called"))
+    logits = engine(tokens[:, :-1], aux=aux_mode(schedule, step))
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     engine.backward(loss)
     grads = {name: full_grad(p) for name, p in engine.module.named_parameters()}
@@ -98,15 +120,15 @@ def main():
     results = {}
     for schedule in SCHEDULES:
         say(f"auxiliary head on {schedule}:", flush=True)
-        engine = engine_for()
+        engine = engine_for(schedule)
         record = {"losses": [], "grads": []}
         for step in range(STEPS):
             loss, grads = train_step(engine, schedule, step)
             record["losses"].append(loss)
             record["grads"].append(grads)
             aux = grads["aux.bias"].abs().sum().item()
-            say(f"  step {step}: loss {loss:.4f}, aux.bias gradient sum |g| {aux:.4f}",
-                flush=True)
+            say(f"  step {step} ({aux_mode(schedule, step)}): loss {loss:.4f}, "
+                f"aux.bias gradient sum |g| {aux:.4f}", flush=True)
         results[schedule] = record
     return results
 
