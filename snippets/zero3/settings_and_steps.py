@@ -147,7 +147,8 @@ def read_from(vocab, settings, first):
 
 
 def report(name, vocab, seen, reads):
-    print(f"{name}: embeddings.weight {vocab} x {DIM}, in steps {list(range(STEPS))}")
+    print(f"{name}: embeddings.weight {vocab} x {DIM} ({vocab * DIM} elements), "
+          f"in steps {list(range(STEPS))}")
     for (weight, moment), shapes in seen.items():
         if weight == "embeddings.weight":
             mixer = seen["mixer.weight", moment]
