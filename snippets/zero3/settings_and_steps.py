@@ -1,7 +1,7 @@
-"""When a ZeRO-3 weight is whole, by training step and by ZeRO-3 setting, and what that means for
-a read of the weight that DeepSpeed does not detect. The other examples set
-stage3_param_persistence_threshold to 0; this one also runs DeepSpeed's defaults, with an
-embedding below and one above the default threshold.
+"""When a ZeRO-3 weight is whole, by training step and by ZeRO-3 setting, and what that
+means for a read of the weight that DeepSpeed does not detect. The other examples set
+stage3_param_persistence_threshold to 0; this one also runs DeepSpeed's defaults, with
+an embedding below, at and above the default threshold.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/settings_and_steps.py
@@ -142,7 +142,8 @@ def read_from(vocab, settings, first):
             losses.append(loss)
             grads.append(step_grads)
     except RuntimeError as error:
-        return {"losses": losses, "grads": grads, "error": f"step {step}: RuntimeError: {error}"}
+        error = f"step {step}: RuntimeError: {error}"
+        return {"losses": losses, "grads": grads, "error": error}
     return {"losses": losses, "grads": grads, "error": None}
 
 

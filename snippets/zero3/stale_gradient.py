@@ -1,7 +1,8 @@
-"""The model of trace_cache.py on more schedules: under ZeRO-3 a parameter that gets no gradient
-in a step is updated again with the gradient of the last step that gave it one, with or without
-"Invalidate trace cache"; and a zero contribution (0.0 *) equals skipping a module only with
-plain SGD. Compared with plain PyTorch by tests/zero3/test_stale_gradient.py.
+"""The model of trace_cache.py on more schedules: under ZeRO-3 a parameter that gets no
+gradient in a step is updated again with the gradient of the last step that gave it one,
+with or without "Invalidate trace cache"; and a zero contribution (0.0 *) equals skipping a
+module only with plain SGD. tests/zero3/test_stale_gradient.py compares it with plain
+PyTorch.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/stale_gradient.py
