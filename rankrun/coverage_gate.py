@@ -2,7 +2,9 @@
 
 An example line that no run executes is an untested claim, so the whole suite fails
 when one is left (FastAPI gates its docs_src/ the same way). Coverage is measured inside
-the rank processes (rankrun/rank_main.py), not in the test process. The gate is on when the
+the rank processes (rankrun/rank_main.py), not in the test process, and only in the runs that can
+still add a line (rankrun.snippet_coverage): before it reports a line missing, the gate makes the
+runs that were traced on rank 0 only again with every rank traced. The gate is on when the
 whole suite runs (`pytest` with no paths and no -k, and no -m other than `not slow`, as
 `python3 tasks.py test` and `python3 tasks.py test --quick` do),
 and can be forced on or off with --snippet-coverage / --no-snippet-coverage. Exclude a
@@ -17,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from rankrun.runner import ROOT, SNIPPETS, close_pools
+from rankrun import snippet_coverage
+from rankrun.runner import ROOT, SNIPPETS, close_pools, remake_with_every_rank_traced
 
 
 def pytest_addoption(parser):
@@ -87,25 +90,23 @@ NOT_MEASURED = {
 }
 
 
-def missing_lines() -> dict[str, list[int]]:
-    """Snippet file -> line numbers no rank executed."""
-    import coverage
-
-    directory = os.path.dirname(os.environ["SNIPPET_COVERAGE_DATA"])
-    measured = coverage.Coverage(data_file=os.path.join(directory, "combined"), config_file=False)
-    # Besides `# pragma: no cover`: lines after the one that raises, in examples that demonstrate a failure.
-    measured.exclude(r"#\s*never reached")
-    parts = [str(p) for p in Path(directory).glob(".coverage.*")]
-    if parts:
-        measured.combine(parts, keep=True)
-    missing = {}
-    for snippet in sorted(SNIPPETS.rglob("*.py")):
-        if str(snippet.relative_to(ROOT)) in NOT_MEASURED:
-            continue
-        _, _, _, lines, _ = measured.analysis2(str(snippet))
-        if lines:
-            missing[str(snippet.relative_to(ROOT))] = lines
-    return missing
+def missing_lines(config=None) -> dict[str, list[int]]:
+    """Snippet file -> line numbers no rank executed, after the runs traced on rank 0 only that can
+    execute such a file were made again with every rank traced."""
+    measured = {str(snippet.resolve()): str(snippet.relative_to(ROOT)) for snippet in sorted(SNIPPETS.rglob("*.py"))
+                if str(snippet.relative_to(ROOT)) not in NOT_MEASURED}
+    missing = snippet_coverage.missing(measured)
+    remade = 0
+    if missing:
+        for record in snippet_coverage.partial_runs():
+            if snippet_coverage.files_of(record["snippet"]) & set(missing):
+                remake_with_every_rank_traced(record)
+                remade += 1
+        close_pools()
+        missing = snippet_coverage.missing(measured) if remade else missing
+    if config is not None:
+        config.snippet_coverage_remade = remade
+    return {measured[path]: sorted(lines) for path, lines in sorted(missing.items())}
 
 
 @pytest.hookimpl(trylast=True)
@@ -113,11 +114,23 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not hasattr(config, "snippet_coverage_dir") or exitstatus not in (0, 1):
         return
-    close_pools()  # every job's data is saved before its worker answers
-    missing = missing_lines()
+    close_pools()  # every job's lines are written before its worker answers
+    missing = missing_lines(config)
     config.snippet_coverage_missing = missing
     if missing:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def traced_runs(config) -> str:
+    """What the gate cost: how many runs were traced, on which ranks, and how many not."""
+    decisions = [d for d in snippet_coverage.decisions() if d["kind"] != "again"]
+    on_rank_0 = sum(1 for d in decisions if d["ranks"] == "0" and d["world_size"] > 1)
+    every = sum(1 for d in decisions if d["ranks"] == "all" or (d["ranks"] == "0" and d["world_size"] == 1))
+    untraced = sum(1 for d in decisions if d["ranks"] == "none")
+    remade = getattr(config, "snippet_coverage_remade", 0)
+    return (f"measured in {on_rank_0 + every} of {len(decisions)} runs ({on_rank_0} on rank 0 only, {every} on "
+            f"every rank; {untraced} not traced: every line of their files already seen), {remade} made again "
+            f"with every rank traced")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -125,9 +138,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if missing is None:
         return
     if not missing:
-        terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank"
+        terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank; "
+                                    + traced_runs(config)
                                     + "".join(f"; not measured: {path} ({why})" for path, why in NOT_MEASURED.items()))
         return
     terminalreporter.write_sep("=", "snippet coverage gate failed", red=True)
+    terminalreporter.write_line(f"snippet coverage: {traced_runs(config)}")
     for path, lines in missing.items():
         terminalreporter.write_line(f"{path}: lines never run in any rank: {', '.join(map(str, lines))}")

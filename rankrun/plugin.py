@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rankrun import changed, run_cache
+from rankrun import changed, run_cache, shards
 from rankrun.pages import include_specs, output_blocks, page_lines, pages_including
 from rankrun.runner import ROOT, RunResult, close_zygotes
 
@@ -52,6 +52,16 @@ def pytest_addoption(parser):
              "(rankrun.changed); CI runs everything",
     )
     parser.addoption("--changed-base", default="HEAD", help="with --changed: compare with this revision")
+    parser.addoption(
+        "--shard", default=None, metavar="K/N",
+        help="run only the K-th of N shards of the selected tests, split by the recorded durations "
+             "(rankrun.shards; tests/durations.json)",
+    )
+    parser.addoption(
+        "--store-durations", action="store_true",
+        help="record each test's duration in tests/durations.json at the end of the session "
+             "(rewritten after the whole suite, updated after a part of it)",
+    )
     parser.addoption(
         "--order",
         default="declared",
@@ -95,6 +105,12 @@ def pytest_configure(config):
     name, _, seed = order.partition(":")
     if order not in ("declared", "reverse") and name != "random":
         raise pytest.UsageError(f"--order takes declared, reverse or random[:SEED], not {order!r}")
+    shard = config.getoption("--shard")
+    if shard is not None:
+        try:
+            config.shard = shards.parse_shard(shard)
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
     if name == "random" and not seed:
         # Chosen once: pytest-xdist workers start after this and inherit it, and must all
         # collect the tests in the same order.
@@ -135,10 +151,58 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--changed"):
         select_what_the_change_affects(config, items)
         warm_only_what_the_selection_runs(items)
+    if getattr(config, "shard", None):
+        keep_one_shard(config, items)
     if config.getoption("--order") == "reverse":
         items.reverse()
     elif config.order_seed is not None:
         random.Random(config.order_seed).shuffle(items)
+
+
+def keep_one_shard(config, items) -> None:
+    """--shard K/N: the items of the K-th shard (rankrun.shards), in their order; the others deselected."""
+    shard, count = config.shard
+    chosen = set(shards.assign([item.nodeid for item in items], count, shards.read_durations())[shard - 1])
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in chosen])
+    items[:] = [item for item in items if item.nodeid in chosen]
+
+
+def pytest_runtest_logreport(report):
+    """--store-durations: each test's setup, call and teardown, summed (in the main process, which
+    gets every pytest-xdist worker's reports)."""
+    recorded = _RECORDED_DURATIONS
+    if recorded is not None:
+        recorded[report.nodeid] = recorded.get(report.nodeid, 0.0) + report.duration
+
+
+_RECORDED_DURATIONS: dict[str, float] | None = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    global _RECORDED_DURATIONS
+    config = session.config
+    if config.getoption("--store-durations") and not hasattr(config, "workerinput"):
+        _RECORDED_DURATIONS = {}
+
+
+def store_durations(session, exitstatus) -> None:
+    """Write what --store-durations recorded: the whole suite's replace the file, a part's update it."""
+    from rankrun.coverage_gate import selects_every_test_file
+
+    if _RECORDED_DURATIONS is None or exitstatus not in (0, 1) or not _RECORDED_DURATIONS:
+        return
+    config = session.config
+    whole = (selects_every_test_file(config) and not config.getoption("keyword")
+             and not config.getoption("markexpr") and not getattr(config, "shard", None)
+             and not config.getoption("--changed"))
+    durations = {} if whole else shards.read_durations()
+    durations.update(_RECORDED_DURATIONS)
+    shards.write_durations(durations)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    store_durations(session, exitstatus)
 
 
 def outputs_shown(page: str) -> list[str]:
@@ -402,9 +466,10 @@ def pytest_runtest_call(item):
 
 # Items of these modules that name an example (in their id) run in the same worker as the
 # example's own test module, when that module is collected too: the run they share is made in
-# that worker, the other workers neither wait for it nor start a warm zygote for it.
-GROUPED_WITH_THE_EXAMPLE = ("tests/test_snippets.py", "tests/test_versions.py")
-EXAMPLE_IN_AN_ID = re.compile(r"\[(?:torchrun --nproc_per_node \d+ )?(snippets/[\w/.-]+\.py)\]")
+# that worker, the other workers neither wait for it nor start a warm zygote for it. The shards
+# (rankrun.shards) keep the same items together.
+GROUPED_WITH_THE_EXAMPLE = shards.GROUPED_WITH_THE_EXAMPLE
+EXAMPLE_IN_AN_ID = shards.EXAMPLE_IN_AN_ID
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,0 +1,182 @@
+"""Which runs measure snippet coverage, and what they saw: every line under snippets/ measured in
+as few runs as the gate (rankrun/coverage_gate.py) needs, with the same verdict as tracing every
+rank of every run.
+
+Tracing costs a traced rank about 40% more CPU (every Python call in torch and DeepSpeed goes
+through the tracer), so a run is traced only while it can still add a line:
+
+- A run's files: its snippet, the snippet modules it imports from its own directory (and theirs),
+  and the snippet files it names in a string (gather_timeline.py loads "language_model.py" with
+  runpy).
+- A run is traced, on rank 0 only, while one of its files has a line that no traced rank has run
+  in this session; once every line of them has been seen, no later run can add one and none is
+  traced. A traced rank writes the lines it ran (`seen/`), which every later decision reads.
+- A run that was traced on rank 0 only (of 2 or more) is recorded (`partial/`). At the end of the
+  session, for each file that still misses a line, the gate makes the recorded runs that can
+  execute that file again, with every rank traced, before it reports: a line that only rank 1
+  runs, or that a rank killed by the runner (a peer failed first) ran before it could save its
+  data, is then seen.
+
+So a line no rank of any run executed still fails the gate, and a line some rank executed passes
+it. The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's): `seen/*.json` ({file:
+[lines]} per traced rank), `partial/*.pickle` (a run to make again, with its arguments),
+`decisions.jsonl` (one line per run: traced ranks, or why not), for the summary.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import pickle
+import re
+from functools import cache
+from pathlib import Path
+
+from rankrun.project import SNIPPETS
+
+DATA = "SNIPPET_COVERAGE_DATA"
+# In a rank's environment: the ranks to trace, "0" or "all"; unset, the rank is not traced.
+RANKS = "SNIPPET_COVERAGE_RANKS"
+# A line excluded from the gate besides `# pragma: no cover`: after the line that raises, in an
+# example that demonstrates a failure.
+NEVER_REACHED = r"#\s*never reached"
+
+
+def directory() -> Path | None:
+    data = os.environ.get(DATA)
+    return Path(data).parent if data else None
+
+
+def traced_here() -> bool:
+    """Whether this rank traces its snippet (rankrun/rank_main.py asks, with RANK in its environment)."""
+    chosen = os.environ.get(RANKS, "")
+    return bool(os.environ.get(DATA)) and (chosen == "all" or chosen == os.environ.get("RANK", "0"))
+
+
+def record_seen(lines: dict[str, list[int]]) -> None:
+    """A traced rank's lines, {file: [line numbers]}, for the decisions of every later run."""
+    seen = directory() / "seen"
+    seen.mkdir(exist_ok=True)
+    partial = seen / f".{os.getpid()}.{os.urandom(4).hex()}"
+    partial.write_text(json.dumps(lines))
+    partial.rename(seen / f"{partial.name[1:]}.json")  # whole files only, for a reader in another process
+
+
+def lines_of(measured) -> dict[str, list[int]]:
+    """What a stopped coverage.Coverage measured: {file: sorted line numbers}."""
+    data = measured.get_data()
+    return {path: sorted(data.lines(path) or ()) for path in data.measured_files()}
+
+
+# --- statements, and the files a run can execute -----------------------------------------------
+
+@cache
+def statements(path: str) -> frozenset[int]:
+    """The lines of a snippet file that the gate asks for: coverage.py's statements, less
+    `# pragma: no cover` and `# never reached` lines."""
+    import coverage
+
+    measured = coverage.Coverage(data_file=None, config_file=False)
+    measured.exclude(NEVER_REACHED)
+    _, lines, _, _, _ = measured.analysis2(path)
+    return frozenset(lines)
+
+
+NAMED_FILE = re.compile(r"^[\w.-]+\.py$")
+
+
+@cache
+def files_of(path: str) -> frozenset[str]:
+    """The snippet files a run of `path` can execute (see the module docstring), as absolute paths."""
+    found: set[str] = set()
+    todo = [Path(path).resolve()]
+    while todo:
+        current = todo.pop()
+        if str(current) in found or not current.is_file():
+            continue
+        found.add(str(current))
+        try:
+            tree = ast.parse(current.read_text())
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module.split(".")[0]]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and NAMED_FILE.match(node.value):
+                todo += [other.resolve() for other in SNIPPETS.rglob(node.value)]
+            todo += [current.parent / f"{name}.py" for name in names if (current.parent / f"{name}.py").is_file()]
+    return frozenset(path for path in found if Path(path).is_relative_to(SNIPPETS.resolve()))
+
+
+class Seen:
+    """The lines traced ranks ran in this session, read incrementally from `seen/`."""
+
+    def __init__(self):
+        self.read: set[str] = set()
+        self.lines: dict[str, set[int]] = {}
+
+    def update(self) -> dict[str, set[int]]:
+        where = directory()
+        if where is not None and (where / "seen").is_dir():
+            for record in (where / "seen").glob("*.json"):
+                if record.name in self.read:
+                    continue
+                self.read.add(record.name)
+                for path, lines in json.loads(record.read_text()).items():
+                    self.lines.setdefault(path, set()).update(lines)
+        return self.lines
+
+    def unseen(self, paths) -> dict[str, set[int]]:
+        lines = self.update()
+        missing = {path: set(statements(path)) - lines.get(path, set()) for path in paths}
+        return {path: left for path, left in missing.items() if left}
+
+
+_SEEN = Seen()
+
+
+def ranks_to_trace(snippet: Path, world_size: int) -> str:
+    """"0" while a file of the run has a line not yet seen, else "" (see the module docstring)."""
+    return "0" if _SEEN.unseen(files_of(str(snippet))) else ""
+
+
+# --- the record of the runs, and making them again ----------------------------------------------
+
+def log_decision(snippet: Path, world_size: int, ranks: str, kind: str) -> None:
+    where = directory()
+    if where is None:
+        return
+    with open(where / "decisions.jsonl", "a") as log:  # one short write: atomic with O_APPEND
+        log.write(json.dumps({"snippet": str(snippet), "world_size": world_size, "ranks": ranks or "none",
+                              "kind": kind}) + "\n")
+
+
+def record_partial(snippet: Path, world_size: int, arguments: dict) -> None:
+    """A run traced on rank 0 only: what the gate needs to make it again (rankrun.runner._run_now's
+    arguments), if a file it can execute still misses a line at the end."""
+    where = directory() / "partial"
+    where.mkdir(exist_ok=True)
+    payload = pickle.dumps({"snippet": str(snippet), "world_size": world_size, "arguments": arguments})
+    name = hashlib.sha256(payload).hexdigest()[:24]
+    (where / f"{name}.pickle").write_bytes(payload)
+
+
+def partial_runs() -> list[dict]:
+    where = directory() / "partial"
+    return [pickle.loads(path.read_bytes()) for path in sorted(where.glob("*.pickle"))] if where.is_dir() else []
+
+
+def missing(paths) -> dict[str, set[int]]:
+    """{file: lines no traced rank ran}, for the files given (absolute paths)."""
+    return Seen().unseen(paths)
+
+
+def decisions() -> list[dict]:
+    where = directory()
+    log = where / "decisions.jsonl" if where else None
+    return [json.loads(line) for line in log.read_text().splitlines() if line] if log and log.exists() else []

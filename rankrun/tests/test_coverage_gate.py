@@ -1,0 +1,151 @@
+"""The snippet-coverage gate (rankrun/coverage_gate.py, rankrun.snippet_coverage) measures each
+example only in the runs that can still add a line, on rank 0, and still fails on a line that no
+rank of any run reached, and only on such a line: lines only rank 1 runs, only a 4-rank run runs,
+only a failing run reaches (on the rank that raised, while its peer is killed), or only an imported
+module runs on rank 1 all pass, because the gate makes the runs traced on rank 0 only again with
+every rank traced before it reports."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a pytest session of its own, checking the harness
+
+HELPER = '''
+def double(x):
+    return 2 * x
+'''
+
+EVERYWHERE = '''
+"""DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/demo/everywhere.py"""
+import torch
+import torch.distributed as dist
+
+from helper import double
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 1:
+        print("only rank 1:", double(rank))
+    if dist.get_world_size() == 4:
+        print("only on four ranks")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return float(total)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+PLAIN = '''
+import torch
+import torch.distributed as dist
+
+
+def main():
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return float(total)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+FAILING = '''
+import torch
+import torch.distributed as dist
+
+
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gave up")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here until the runner kills it
+    print("never")  # never reached: rank 1 raised
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+DEAD = '''
+def never_called():
+    return "dead"
+
+
+def main():
+    return "alive"
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+TESTS = '''
+from rankrun import run_snippet
+
+
+def test_everywhere_on_two_ranks():
+    assert run_snippet("snippets/demo/everywhere.py", 2).check().returned(0) == 2.0
+
+
+def test_everywhere_on_four_ranks():
+    assert run_snippet("snippets/demo/everywhere.py", 4).check().returned(0) == 4.0
+
+
+def test_everywhere_with_another_environment():
+    run_snippet("snippets/demo/everywhere.py", 2, env={"ANOTHER": "1"}).check()
+
+
+def test_plain_three_times():
+    run_snippet("snippets/demo/plain.py", 2).check()
+    run_snippet("snippets/demo/plain.py", 4).check()
+    run_snippet("snippets/demo/plain.py", 2, env={"ANOTHER": "1"}).check()
+
+
+def test_failing():
+    result = run_snippet("snippets/demo/failing.py", 2, grace=1.0)
+    assert result.ranks[1].exception["message"] == "rank 1 gave up"
+
+
+def test_dead():
+    run_snippet("snippets/demo/dead.py", 1).check()
+'''
+
+
+def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(tmp_path):
+    (tmp_path / "mkdocs.yml").write_text("site_name: demo\n")
+    demo = tmp_path / "snippets" / "demo"
+    demo.mkdir(parents=True)
+    for name, text in {"helper": HELPER, "everywhere": EVERYWHERE, "plain": PLAIN, "failing": FAILING,
+                       "dead": DEAD}.items():
+        (demo / f"{name}.py").write_text(textwrap.dedent(text).lstrip())
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_demo.py").write_text(TESTS)
+    env = {**os.environ, "RANKRUN_PROJECT": str(tmp_path), "RANKRUN_WARM_IMPORTS": "torch"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+                           "--snippet-coverage", "tests/test_demo.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    report = done.stdout + done.stderr
+    assert done.returncode == 1, report
+    assert "6 passed" in report, report
+    missing = re.findall(r"^(snippets/\S+): lines never run in any rank: (.*)$", report, re.M)
+    # dead.py's line 2 (the body of never_called) and nothing else: every other line ran in some rank
+    assert missing == [("snippets/demo/dead.py", "2")], report
+    # 8 runs: everywhere (2 ranks, 4, 2 with another environment) and failing, traced on rank 0 as
+    # their files still missed lines; plain's first run; dead.py's one rank; plain's second and third
+    # runs not traced (every line seen); the 4 runs traced on rank 0 only whose files still missed
+    # lines at the end (everywhere's three, failing's) made again with every rank traced.
+    assert ("snippet coverage: measured in 6 of 8 runs (5 on rank 0 only, 1 on every rank; 2 not traced: every "
+            "line of their files already seen), 4 made again with every rank traced") in report, report
