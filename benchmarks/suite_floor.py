@@ -264,7 +264,7 @@ def main() -> int:
         whole_suite([sys.executable, "tasks.py", "test"], "whole suite, tasks.py test", 360.0)
     if args.only in (None, "second-pass"):
         whole_suite([sys.executable, "tasks.py", "test", "-m", "not slow and not kernel_independent",
-                     "tests/zero3", "tests/pipeline", "tests/transformers"],
+                     "--smallest-rank-count", "tests/zero3", "tests/pipeline", "tests/transformers"],
                     ".ci/run's second pass, ATEN_CPU_CAPABILITY=default", 12 * 60 - 160 - 360,
                     {"ATEN_CPU_CAPABILITY": "default"})
     return 0
