@@ -29,6 +29,9 @@ def pytest_addoption(parser):
                     help="fail the session unless every line in snippets/ ran in some rank")
     group.addoption("--no-snippet-coverage", action="store_false", dest="snippet_coverage",
                     help="do not measure snippet coverage")
+    group.addoption("--snippet-coverage-data", default=None, metavar="DIR",
+                    help="measure snippet coverage without a verdict and keep the lines seen in DIR (a shard of the "
+                         "hosted CI); `python -m rankrun.snippet_coverage DIR...` gives the verdict on their union")
 
 
 # The marker expressions that still run every example: the whole suite, and --quick.
@@ -46,6 +49,9 @@ def why_gate(config) -> tuple[bool, str]:
         return chosen, "--snippet-coverage" if chosen else "--no-snippet-coverage"
     if config.getoption("changed"):
         return False, "--changed runs only what the change affects"
+    if getattr(config, "shard", None):
+        return False, ("--shard runs part of the suite; with --snippet-coverage-data, "
+                       "`python -m rankrun.snippet_coverage` judges the shards' union")
     if config.getoption("collectonly"):
         return False, "--collect-only runs no example"
     if not selects_every_test_file(config):
@@ -76,25 +82,29 @@ def pytest_configure(config):
         # A pytest-xdist worker: its ranks write to the directory the main process chose
         # (SNIPPET_COVERAGE_DATA, inherited); the main process checks the gate at the end.
         return
+    kept = config.getoption("snippet_coverage_data")
+    if kept:
+        # A part of the suite measured for a verdict on the union of parts: every rank of a run that
+        # can add a line is traced, so no run has to be made again (which only the whole suite can
+        # decide), and the lines seen are kept.
+        Path(kept).mkdir(parents=True, exist_ok=True)
+        os.environ[snippet_coverage.DATA] = os.path.join(os.path.abspath(kept), ".coverage")
+        os.environ[snippet_coverage.EVERY_RANK] = "1"
+        return
     if not gate_is_on(config):
         return
     config.snippet_coverage_dir = tempfile.mkdtemp(prefix="snippet-coverage-")
     # Rank processes inherit this and measure themselves (rankrun/rank_main.py).
-    os.environ["SNIPPET_COVERAGE_DATA"] = os.path.join(config.snippet_coverage_dir, ".coverage")
+    os.environ[snippet_coverage.DATA] = os.path.join(config.snippet_coverage_dir, ".coverage")
 
 
-# Examples whose lines the gate cannot see whole yet, each with why (said in the summary too).
-NOT_MEASURED = {
-    "snippets/zero3/check_shared_reads.py": "the checker also runs inside the test process and as a "
-                                            "command in a subprocess, neither of which the gate measures",
-}
+NOT_MEASURED = snippet_coverage.NOT_MEASURED
 
 
 def missing_lines(config=None) -> dict[str, list[int]]:
     """Snippet file -> line numbers no rank executed, after the runs traced on rank 0 only that can
     execute such a file were made again with every rank traced."""
-    measured = {str(snippet.resolve()): str(snippet.relative_to(ROOT)) for snippet in sorted(SNIPPETS.rglob("*.py"))
-                if str(snippet.relative_to(ROOT)) not in NOT_MEASURED}
+    measured = snippet_coverage.measured_files()
     missing = snippet_coverage.missing(measured)
     remade = 0
     if missing:
@@ -134,6 +144,11 @@ def traced_runs(config) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    kept = config.getoption("snippet_coverage_data")
+    if kept and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"snippet coverage: lines seen kept in {kept} for the verdict on the union "
+                                    f"(python -m rankrun.snippet_coverage); {traced_runs(config)}")
+        return
     missing = getattr(config, "snippet_coverage_missing", None)
     if missing is None:
         return
@@ -146,3 +161,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(f"snippet coverage: {traced_runs(config)}")
     for path, lines in missing.items():
         terminalreporter.write_line(f"{path}: lines never run in any rank: {', '.join(map(str, lines))}")
+

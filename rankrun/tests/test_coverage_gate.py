@@ -124,7 +124,7 @@ def test_dead():
 '''
 
 
-def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(tmp_path):
+def demo_project(tmp_path):
     (tmp_path / "mkdocs.yml").write_text("site_name: demo\n")
     demo = tmp_path / "snippets" / "demo"
     demo.mkdir(parents=True)
@@ -133,14 +133,24 @@ def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(
         (demo / f"{name}.py").write_text(textwrap.dedent(text).lstrip())
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_demo.py").write_text(TESTS)
-    env = {**os.environ, "RANKRUN_PROJECT": str(tmp_path), "RANKRUN_WARM_IMPORTS": "torch"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
-                           "--snippet-coverage", "tests/test_demo.py"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return {**os.environ, "RANKRUN_PROJECT": str(tmp_path), "RANKRUN_WARM_IMPORTS": "torch"}
+
+
+def session(tmp_path, env, *args):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q", *args,
+                           "tests/test_demo.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+MISSING = re.compile(r"^(snippets/\S+): lines never run in any rank: (.*)$", re.M)
+
+
+def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(tmp_path):
+    env = demo_project(tmp_path)
+    done = session(tmp_path, env, "--snippet-coverage")
     report = done.stdout + done.stderr
     assert done.returncode == 1, report
     assert "6 passed" in report, report
-    missing = re.findall(r"^(snippets/\S+): lines never run in any rank: (.*)$", report, re.M)
+    missing = MISSING.findall(report)
     # dead.py's line 2 (the body of never_called) and nothing else: every other line ran in some rank
     assert missing == [("snippets/demo/dead.py", "2")], report
     # 8 runs: everywhere (2 ranks, 4, 2 with another environment) and failing, traced on rank 0 as
@@ -149,3 +159,27 @@ def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(
     # lines at the end (everywhere's three, failing's) made again with every rank traced.
     assert ("snippet coverage: measured in 6 of 8 runs (5 on rank 0 only, 1 on every rank; 2 not traced: every "
             "line of their files already seen), 4 made again with every rank traced") in report, report
+
+
+def test_parts_of_the_suite_are_judged_on_their_union(tmp_path):
+    """The hosted CI's shards: each part traces every rank of a run that can add a line and keeps
+    what it saw (--snippet-coverage-data); the verdict on the union is the whole suite's."""
+    env = demo_project(tmp_path)
+    for part, chosen in (("one", "two_ranks or plain or dead"), ("two", "not (two_ranks or plain or dead)")):
+        done = session(tmp_path, env, "--snippet-coverage-data", str(tmp_path / part), "-k", chosen)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"snippet coverage: lines seen kept in {tmp_path / part}" in done.stdout, done.stdout
+
+    def verdict(*parts):
+        return subprocess.run([sys.executable, "-m", "rankrun.snippet_coverage", *map(str, parts)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    union = verdict(tmp_path / "one", tmp_path / "two")
+    assert union.returncode == 1 and MISSING.findall(union.stdout) == [("snippets/demo/dead.py", "2")], union.stdout
+    # part one alone: the 4-rank line and failing.py (part two's runs) are missing; the line only
+    # rank 1 runs (and helper.py's, called there) is not: every rank of that run was traced
+    alone = verdict(tmp_path / "one")
+    assert dict(MISSING.findall(alone.stdout)) == {
+        "snippets/demo/dead.py": "2", "snippets/demo/everywhere.py": "14",
+        "snippets/demo/failing.py": "1, 2, 5, 6, 7, 8, 9, 13, 14",
+    }, alone.stdout
