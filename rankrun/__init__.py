@@ -29,11 +29,15 @@ The modules, by what they are:
     processes.py         the process table the runner's tests read (nothing left running),
                          and how they start a command they interrupt
     plugin.py            pytest plugin: `expect_output` fixture, `--update-outputs`, `--changed`,
-                         `--order`, one temporary directory per session
+                         `--order`, `--shard`, `--store-durations`, `--smallest-rank-count`,
+                         one temporary directory per session
     changed.py           which tests a change can affect (`--changed`)
     marks.py             the `kernel_independent` reasons (the second pass leaves those out)
+    shards.py            the suite in N shards by recorded durations (the hosted CI's matrix)
     coverage_gate.py     pytest plugin: the session fails unless every line under `snippets/`
                          ran in some rank
+    snippet_coverage.py  which runs the gate traces (only those that can add a line, rank 0),
+                         the lines they saw, the runs made again; the verdict on shards' union
     torchrun_coverage.py the same coverage inside the ranks of a real `torchrun`
     site_build.py        the session's one strict build of the site, shared by the site tests
     pages.py             where the examples are: snippet files, output files, the pages'
