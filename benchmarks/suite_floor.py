@@ -258,7 +258,7 @@ def whole_suite(command: list[str], name: str, target: float, env: dict | None =
 
 # Test modules that start a pytest or tasks.py session of their own (each pays its collection, and
 # a zygote of its own when it runs examples): found by what their source runs.
-NESTED_SESSION = re.compile(r'"-m", *"pytest"|"tasks\.py"|/ "tasks\.py"')
+NESTED_SESSION = re.compile(r'"-m", *"pytest"|\[sys\.executable, *"tasks\.py"')
 SITE_BUILDS = ("tests/test_site.py", "tests/site/test_notebook_cache.py", "tests/site/test_rebuild_cache.py",
                "tests/site/test_offline.py")
 BROWSER = ("tests/site/test_browser.py", "tests/site/test_jupyterlab.py")

@@ -29,8 +29,8 @@ The modules, by what they are:
     processes.py         the process table the runner's tests read (nothing left running),
                          and how they start a command they interrupt
     plugin.py            pytest plugin: `expect_output` fixture, `--update-outputs`, `--changed`,
-                         `--order`, `--shard`, `--store-durations`, `--smallest-rank-count`,
-                         one temporary directory per session
+                         `--order`, one temporary directory per session
+    selection.py         pytest plugin: `--shard`, `--store-durations`, `--smallest-rank-count`
     changed.py           which tests a change can affect (`--changed`)
     marks.py             the `kernel_independent` reasons (the second pass leaves those out)
     shards.py            the suite in N shards by recorded durations (the hosted CI's matrix)

@@ -8,15 +8,19 @@ import sys
 
 import pytest
 
-from rankrun import shards
+from rankrun import selection, shards
 from rankrun.runner import ROOT
 
 pytestmark = pytest.mark.slow  # collects the whole suite, and pytest sessions of their own
 
 
 @pytest.fixture(scope="module")
-def the_suite() -> list[str]:
-    """Every node id of the whole suite, as `python3 tasks.py test` collects it."""
+def the_suite(request) -> list[str]:
+    """Every node id of the whole suite, as `python3 tasks.py test` collects it: what this session
+    collected when it collected the whole suite (rankrun.selection.COLLECTED), else a collection of
+    its own."""
+    if request.config.stash.get(selection.COLLECTED_WHOLE_SUITE, False):
+        return request.config.stash[selection.COLLECTED]
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "-p", "no:xdist"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
