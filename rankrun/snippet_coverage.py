@@ -161,10 +161,17 @@ class Seen:
 _SEEN = Seen()
 
 
+@cache
+def _measured() -> frozenset[str]:
+    """The files the gate judges (NOT_MEASURED left out: a run of an example that imports one of
+    them would otherwise always look as if it could add a line)."""
+    return frozenset(measured_files())
+
+
 def ranks_to_trace(snippet: Path, world_size: int) -> str:
     """"0" while a file of the run has a line not yet seen, else "" (see the module docstring);
     "all" instead of "0" for a part of the suite (EVERY_RANK)."""
-    if not _SEEN.unseen(files_of(str(snippet))):
+    if not _SEEN.unseen(files_of(str(snippet)) & _measured()):
         return ""
     return "all" if os.environ.get(EVERY_RANK) else "0"
 
