@@ -107,13 +107,13 @@ def missing_lines(config=None) -> dict[str, list[int]]:
     measured = snippet_coverage.measured_files()
     missing = snippet_coverage.missing(measured)
     remade = 0
-    if missing:
-        for record in snippet_coverage.partial_runs():
-            if snippet_coverage.files_of(record["snippet"]) & set(missing):
-                remake_with_every_rank_traced(record)
-                remade += 1
+    for record in snippet_coverage.partial_runs():  # cheapest first
+        if snippet_coverage.files_of(record["snippet"]) & set(missing):
+            remake_with_every_rank_traced(record)
+            remade += 1
+            missing = snippet_coverage.missing(measured)
+    if remade:
         close_pools()
-        missing = snippet_coverage.missing(measured) if remade else missing
     if config is not None:
         config.snippet_coverage_remade = remade
     return {measured[path]: sorted(lines) for path, lines in sorted(missing.items())}
@@ -134,13 +134,13 @@ def pytest_sessionfinish(session, exitstatus):
 def traced_runs(config) -> str:
     """What the gate cost: how many runs were traced, on which ranks, and how many not."""
     decisions = [d for d in snippet_coverage.decisions() if d["kind"] != "again"]
-    on_rank_0 = sum(1 for d in decisions if d["ranks"] == "0" and d["world_size"] > 1)
-    every = sum(1 for d in decisions if d["ranks"] == "all" or (d["ranks"] == "0" and d["world_size"] == 1))
+    every = sum(1 for d in decisions if d["ranks"] == "all")
+    some = sum(1 for d in decisions if d["ranks"] not in ("all", "none"))
     untraced = sum(1 for d in decisions if d["ranks"] == "none")
     remade = getattr(config, "snippet_coverage_remade", 0)
-    return (f"measured in {on_rank_0 + every} of {len(decisions)} runs ({on_rank_0} on rank 0 only, {every} on "
-            f"every rank; {untraced} not traced: every line of their files already seen), {remade} made again "
-            f"with every rank traced")
+    return (f"measured in {every + some} of {len(decisions)} runs ({every} on every rank, {some} on their first "
+            f"and last; {untraced} not traced: every line of their files seen, or the run traced at another rank "
+            f"count), {remade} made again with every rank traced")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -108,8 +108,9 @@ def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, en
     by default, as rankrun.snippet_coverage decides when the session measures it."""
     asked_env = env
     measured = _coverage_wanted(path)
+    key = run_cache.run_key(str(path), 0, call, env, fresh, hang=None if hang is None else hang.key())
     if trace is None:
-        trace = snippet_coverage.ranks_to_trace(path, world_size) if measured else ""
+        trace = snippet_coverage.ranks_to_trace(path, world_size, key) if measured else ""
     if trace:
         env = {**(env or {}), snippet_coverage.RANKS: trace}
     first_attempt = None
@@ -131,7 +132,13 @@ def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, en
         first_attempt = result
     if measured:
         snippet_coverage.log_decision(path, world_size, trace, "again" if again else "fresh" if fresh else "warm")
-        if trace == "0" and world_size > 1:
+        if trace:
+            snippet_coverage.record_traced(path, key)
+        traced = range(world_size) if trace == "all" else [int(rank) for rank in trace.split(",") if rank]
+        # a rank the runner killed saved nothing, traced or not: making the run again would not help
+        untraced_ended = [rank for rank in range(world_size)
+                          if rank not in traced and not result.ranks[rank].killed_by_runner]
+        if untraced_ended and (trace or snippet_coverage.traced_at_another_rank_count(path, key)):
             snippet_coverage.record_partial(path, world_size, dict(
                 call=call, timeout=timeout, grace=grace, env=asked_env, fresh=fresh, hang=hang))
     return result

@@ -3,19 +3,26 @@ as few runs as the gate (rankrun/coverage_gate.py) needs, with the same verdict 
 rank of every run.
 
 Tracing costs a traced rank about 40% more CPU (every Python call in torch and DeepSpeed goes
-through the tracer), so a run is traced only while it can still add a line:
+through the tracer), so a run is traced only while it can still add a line, and only on the ranks
+that can:
 
 - A run's files: its snippet, the snippet modules it imports from its own directory (and theirs),
   and the snippet files it names in a string (gather_timeline.py loads "language_model.py" with
   runpy).
-- A run is traced, on rank 0 only, while one of its files has a line that no traced rank has run
-  in this session; once every line of them has been seen, no later run can add one and none is
-  traced. A traced rank writes the lines it ran (`seen/`), which every later decision reads.
-- A run that was traced on rank 0 only (of 2 or more) is recorded (`partial/`). At the end of the
-  session, for each file that still misses a line, the gate makes the recorded runs that can
-  execute that file again, with every rank traced, before it reports: a line that only rank 1
-  runs, or that a rank killed by the runner (a peer failed first) ran before it could save its
-  data, is then seen.
+- Once every line of a run's files has been seen by a traced rank in this session, no later run
+  can add one: it is not traced.
+- Otherwise it is traced on its first and last rank (all of a 1- or 2-rank run): rank 0 prints and
+  saves, the last rank is the last pipeline stage; the ranks between run what one of them runs in
+  almost every example. A traced rank writes the lines it ran (`seen/`).
+- A run of the same snippet, entry point and environment as one already traced, at another rank
+  count, is not traced: it runs the same lines but for a branch on the rank count (a refusal, a
+  middle pipeline stage).
+- A run with a rank that was not traced and ended by itself is recorded (`partial/`). At the end
+  of the session, for each file that still misses a line, the gate makes the recorded runs that
+  can execute that file again, with every rank traced, cheapest first (fewest ranks), until the
+  file misses nothing, before it reports: the line a refusal reaches at 3 ranks, or that only a
+  middle rank runs, is seen then. (A rank the runner killed, its peer having failed first, saves
+  nothing in any run, so it is not a reason to make a run again.)
 
 So a line no rank of any run executed still fails the gate, and a line some rank executed passes
 it. The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's): `seen/*.json` ({file:
@@ -42,7 +49,7 @@ from pathlib import Path
 from rankrun.project import ROOT, SNIPPETS
 
 DATA = "SNIPPET_COVERAGE_DATA"
-# In a rank's environment: the ranks to trace, "0" or "all"; unset, the rank is not traced.
+# In a rank's environment: the ranks to trace, "all" or comma-separated ranks; unset, none.
 RANKS = "SNIPPET_COVERAGE_RANKS"
 # Set (--snippet-coverage-data, a part of the suite): trace every rank of a run that can add a line,
 # so that the union of the parts is exact without making a run again.
@@ -73,7 +80,7 @@ def directory() -> Path | None:
 def traced_here() -> bool:
     """Whether this rank traces its snippet (rankrun/rank_main.py asks, with RANK in its environment)."""
     chosen = os.environ.get(RANKS, "")
-    return bool(os.environ.get(DATA)) and (chosen == "all" or chosen == os.environ.get("RANK", "0"))
+    return bool(os.environ.get(DATA)) and (chosen == "all" or os.environ.get("RANK", "0") in chosen.split(","))
 
 
 def record_seen(lines: dict[str, list[int]]) -> None:
@@ -168,12 +175,34 @@ def _measured() -> frozenset[str]:
     return frozenset(measured_files())
 
 
-def ranks_to_trace(snippet: Path, world_size: int) -> str:
-    """"0" while a file of the run has a line not yet seen, else "" (see the module docstring);
-    "all" instead of "0" for a part of the suite (EVERY_RANK)."""
+def ranks_to_trace(snippet: Path, world_size: int, key: str = "") -> str:
+    """The ranks to trace, as RANKS takes them: "" (none), "all", or "0,N-1" (see the module docstring).
+    `key`: what decides which lines the run reaches besides its rank count (entry point, environment,
+    fresh or warm)."""
     if not _SEEN.unseen(files_of(str(snippet)) & _measured()):
         return ""
-    return "all" if os.environ.get(EVERY_RANK) else "0"
+    if os.environ.get(EVERY_RANK) or world_size <= 2:
+        return "all"
+    if key and traced_at_another_rank_count(snippet, key):
+        return ""
+    return f"0,{world_size - 1}"
+
+
+def _key_marker(snippet: Path, key: str) -> Path:
+    name = hashlib.sha256(f"{snippet.resolve()}\0{key}".encode()).hexdigest()[:24]
+    return directory() / "traced" / name
+
+
+def traced_at_another_rank_count(snippet: Path, key: str) -> bool:
+    return bool(key) and _key_marker(snippet, key).exists()
+
+
+def record_traced(snippet: Path, key: str) -> None:
+    """A run of `snippet` with `key` was traced (its lines other rank counts of it would reach too)."""
+    if key:
+        marker = _key_marker(snippet, key)
+        marker.parent.mkdir(exist_ok=True)
+        marker.touch()
 
 
 # --- the record of the runs, and making them again ----------------------------------------------
@@ -188,8 +217,8 @@ def log_decision(snippet: Path, world_size: int, ranks: str, kind: str) -> None:
 
 
 def record_partial(snippet: Path, world_size: int, arguments: dict) -> None:
-    """A run traced on rank 0 only: what the gate needs to make it again (rankrun.runner._run_now's
-    arguments), if a file it can execute still misses a line at the end."""
+    """A run with a rank that was not traced and ended by itself: what the gate needs to make it
+    again (rankrun.runner._run_now's arguments), if a file it can execute still misses a line."""
     where = directory() / "partial"
     where.mkdir(exist_ok=True)
     payload = pickle.dumps({"snippet": str(snippet), "world_size": world_size, "arguments": arguments})
@@ -198,8 +227,10 @@ def record_partial(snippet: Path, world_size: int, arguments: dict) -> None:
 
 
 def partial_runs() -> list[dict]:
+    """The recorded runs, cheapest first: fewest ranks, then the snippet's name."""
     where = directory() / "partial"
-    return [pickle.loads(path.read_bytes()) for path in sorted(where.glob("*.pickle"))] if where.is_dir() else []
+    records = [pickle.loads(path.read_bytes()) for path in sorted(where.glob("*.pickle"))] if where.is_dir() else []
+    return sorted(records, key=lambda record: (record["world_size"], record["snippet"]))
 
 
 def missing(paths) -> dict[str, set[int]]:

@@ -1,9 +1,9 @@
 """The snippet-coverage gate (rankrun/coverage_gate.py, rankrun.snippet_coverage) measures each
-example only in the runs that can still add a line, on rank 0, and still fails on a line that no
-rank of any run reached, and only on such a line: lines only rank 1 runs, only a 4-rank run runs,
-only a failing run reaches (on the rank that raised, while its peer is killed), or only an imported
-module runs on rank 1 all pass, because the gate makes the runs traced on rank 0 only again with
-every rank traced before it reports."""
+example only in the runs that can still add a line, on their first and last rank, and still fails
+on a line that no rank of any run reached, and only on such a line: lines only rank 1 runs, only a
+4-rank run runs, only a middle rank of a 4-rank run runs, only a failing run reaches, or only an
+imported module runs on rank 1 all pass, because the gate makes the runs not traced on every rank
+again with every rank traced before it reports."""
 
 import os
 import re
@@ -35,6 +35,8 @@ def main():
         print("only rank 1:", double(rank))
     if dist.get_world_size() == 4:
         print("only on four ranks")
+    if 0 < rank < dist.get_world_size() - 1:
+        print("a middle rank")
     total = torch.ones(1)
     dist.all_reduce(total)
     dist.destroy_process_group()
@@ -100,12 +102,12 @@ def test_everywhere_on_two_ranks():
     assert run_snippet("snippets/demo/everywhere.py", 2).check().returned(0) == 2.0
 
 
+def test_everywhere_on_four_ranks_with_another_environment():
+    run_snippet("snippets/demo/everywhere.py", 4, env={"ANOTHER": "1"}).check()
+
+
 def test_everywhere_on_four_ranks():
     assert run_snippet("snippets/demo/everywhere.py", 4).check().returned(0) == 4.0
-
-
-def test_everywhere_with_another_environment():
-    run_snippet("snippets/demo/everywhere.py", 2, env={"ANOTHER": "1"}).check()
 
 
 def test_plain_three_times():
@@ -153,12 +155,14 @@ def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(
     missing = MISSING.findall(report)
     # dead.py's line 2 (the body of never_called) and nothing else: every other line ran in some rank
     assert missing == [("snippets/demo/dead.py", "2")], report
-    # 8 runs: everywhere (2 ranks, 4, 2 with another environment) and failing, traced on rank 0 as
-    # their files still missed lines; plain's first run; dead.py's one rank; plain's second and third
-    # runs not traced (every line seen); the 4 runs traced on rank 0 only whose files still missed
-    # lines at the end (everywhere's three, failing's) made again with every rank traced.
-    assert ("snippet coverage: measured in 6 of 8 runs (5 on rank 0 only, 1 on every rank; 2 not traced: every "
-            "line of their files already seen), 4 made again with every rank traced") in report, report
+    # 8 runs. On every rank: everywhere on 2 ranks, plain's first run, failing, dead.py's one rank.
+    # On its first and last rank: everywhere on 4 ranks with another environment (its middle ranks'
+    # line still unseen). Not traced: everywhere on 4 ranks (traced on 2 already), plain's second and
+    # third (every line seen). At the end everywhere.py misses its middle-rank line: one of its two
+    # 4-rank runs is made again with every rank traced, which sees it, and the other is not.
+    assert ("snippet coverage: measured in 5 of 8 runs (4 on every rank, 1 on their first and last; 3 not traced: "
+            "every line of their files seen, or the run traced at another rank count), 1 made again with every "
+            "rank traced") in report, report
 
 
 def test_parts_of_the_suite_are_judged_on_their_union(tmp_path):
@@ -176,10 +180,10 @@ def test_parts_of_the_suite_are_judged_on_their_union(tmp_path):
 
     union = verdict(tmp_path / "one", tmp_path / "two")
     assert union.returncode == 1 and MISSING.findall(union.stdout) == [("snippets/demo/dead.py", "2")], union.stdout
-    # part one alone: the 4-rank line and failing.py (part two's runs) are missing; the line only
+    # part one alone: the 4-rank lines and failing.py (part two's runs) are missing; the line only
     # rank 1 runs (and helper.py's, called there) is not: every rank of that run was traced
     alone = verdict(tmp_path / "one")
     assert dict(MISSING.findall(alone.stdout)) == {
-        "snippets/demo/dead.py": "2", "snippets/demo/everywhere.py": "14",
+        "snippets/demo/dead.py": "2", "snippets/demo/everywhere.py": "14, 16",
         "snippets/demo/failing.py": "1, 2, 5, 6, 7, 8, 9, 13, 14",
     }, alone.stdout
