@@ -7,9 +7,10 @@ pytest-xdist worker; each process appends JSON lines to CPU_SPLIT_LOG:
 - {"kind": "test", "nodeid", "self": s, "children": s}: each test's setup, call and teardown, the
   CPU of the test process itself and of the processes that ended meanwhile (fresh ranks, torchrun,
   nested pytest or tasks.py sessions, site builds, the browser: what the test started and waited for);
-- {"kind": "process", "self": s, "children": s}: the process's totals at its very end, after the
-  harness closed its warm zygote: the children that were not reaped within a test are the zygote
-  and every warm rank it forked (their CPU reaches this process when the zygote is reaped).
+- {"kind": "process", "self": s, "children": s}: the process's totals at its very end, after it
+  closed the harness's warm zygotes: the children that were not reaped within a test are the
+  zygote and every warm rank it forked (their CPU reaches this process when the zygote is reaped);
+  the main process's children also hold its pytest-xdist workers' totals.
 
 It needs nothing from the harness, so it measures any checkout of the project (an older one too).
 """
@@ -53,5 +54,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
+    try:  # the harness's warm zygotes, reaped here so that their CPU (and their ranks') counts here
+        from rankrun.pool import close_zygotes
+
+        close_zygotes()
+    except Exception:  # noqa: BLE001 - another checkout's harness may differ; then it is counted nowhere
+        pass
     _write({"kind": "process", "self": round(_cpu(resource.RUSAGE_SELF), 3),
             "children": round(_cpu(resource.RUSAGE_CHILDREN), 3), "worker": hasattr(config, "workerinput")})

@@ -306,24 +306,32 @@ def cpu_by_where(split: list[dict], asked: list[dict], total: float, before: str
             else:
                 where["other processes a test started and waited for"] += entry["children"]
     zygote_imports = zygote_import_cpu()
-    for entry in split:
-        if entry["kind"] == "process":
-            collection = next((e["cpu"] for e in split if e["kind"] == "collection" and e["pid"] == entry["pid"]), 0.0)
-            # the rest of the process's own CPU (hooks, the summary, xdist's messages)
-            own = entry["self"] - collection - sum(e["self"] for e in split
-                                                   if e["kind"] == "test" and e["pid"] == entry["pid"])
-            where["the test processes besides tests (hooks, xdist, the summary)"] += max(own, 0.0)
-            warm = entry["children"] - in_tests[entry["pid"]]
-            if entry["worker"] and warm > 0:
-                # the zygote and every warm rank it forked, reaped when the session ended
-                imports = min(zygote_imports, warm)
+    processes = [entry for entry in split if entry["kind"] == "process"]
+    workers_total = sum(entry["self"] + entry["children"] for entry in processes if entry["worker"])
+    for entry in processes:
+        collection = next((e["cpu"] for e in split if e["kind"] == "collection" and e["pid"] == entry["pid"]), 0.0)
+        # the rest of the process's own CPU (hooks, the summary, xdist's messages)
+        own = entry["self"] - collection - sum(e["self"] for e in split if e["kind"] == "test" and e["pid"] == entry["pid"])
+        where["the test processes besides tests (hooks, xdist, the summary)"] += max(own, 0.0)
+        warm = entry["children"] - in_tests[entry["pid"]]
+        if entry["worker"] or not workers_total:
+            # the zygote and every warm rank it forked, reaped when the session ended
+            imports = min(zygote_imports, max(warm, 0.0))
+            where["the warm zygotes' imports"] += imports
+            where["runs in the warm pool"] += max(warm - imports, 0.0)
+        else:
+            # the main process of pytest-xdist: its children are the workers (counted above) and, when
+            # the coverage gate made runs again at the end, its own zygote and those runs
+            again = warm - workers_total
+            if again > 1.0:
+                imports = min(zygote_imports, again)
                 where["the warm zygotes' imports"] += imports
-                where["runs in the warm pool"] += warm - imports
-            elif warm > 0:
-                where["other processes a test started and waited for"] += warm
+                where["runs the coverage gate made again (main process)"] += again - imports
+    rest = total - sum(where.values())
+    if rest > 0:
+        where["tasks.py, and what no test session process reaped"] += rest
     accounted = sum(where.values())
-    print(f"where the suite's CPU went ({total:.0f} s of CPU in all, {accounted:.0f} s accounted for per process; "
-          f"{before} before, {load()} after):")
+    print(f"where the suite's CPU went ({total:.0f} s of CPU in all; {before} before, {load()} after):")
     for name, seconds in where.most_common():
         print(f"  {seconds:8.1f} s  {100 * seconds / accounted:5.1f}%  {name}")
     overhead = sum(seconds for name, seconds in where.items() if name not in OWN_WORK)

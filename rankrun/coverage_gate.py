@@ -3,8 +3,7 @@
 An example line that no run executes is an untested claim, so the whole suite fails
 when one is left (FastAPI gates its docs_src/ the same way). Coverage is measured inside
 the rank processes (rankrun/rank_main.py), not in the test process, and only in the runs that can
-still add a line (rankrun.snippet_coverage): before it reports a line missing, the gate makes the
-runs that were traced on rank 0 only again with every rank traced. The gate is on when the
+still add a line (rankrun.snippet_coverage). The gate is on when the
 whole suite runs (`pytest` with no paths and no -k, and no -m other than `not slow`, as
 `python3 tasks.py test` and `python3 tasks.py test --quick` do),
 and can be forced on or off with --snippet-coverage / --no-snippet-coverage. Exclude a
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rankrun import snippet_coverage
-from rankrun.runner import ROOT, SNIPPETS, close_pools, remake_with_every_rank_traced
+from rankrun.runner import ROOT, SNIPPETS, close_pools
 
 
 def pytest_addoption(parser):
@@ -84,12 +83,9 @@ def pytest_configure(config):
         return
     kept = config.getoption("snippet_coverage_data")
     if kept:
-        # A part of the suite measured for a verdict on the union of parts: every rank of a run that
-        # can add a line is traced, so no run has to be made again (which only the whole suite can
-        # decide), and the lines seen are kept.
+        # A part of the suite measured for a verdict on the union of parts: the lines seen are kept.
         Path(kept).mkdir(parents=True, exist_ok=True)
         os.environ[snippet_coverage.DATA] = os.path.join(os.path.abspath(kept), ".coverage")
-        os.environ[snippet_coverage.EVERY_RANK] = "1"
         return
     if not gate_is_on(config):
         return
@@ -101,22 +97,10 @@ def pytest_configure(config):
 NOT_MEASURED = snippet_coverage.NOT_MEASURED
 
 
-def missing_lines(config=None) -> dict[str, list[int]]:
-    """Snippet file -> line numbers no rank executed, after the runs traced on rank 0 only that can
-    execute such a file were made again with every rank traced."""
+def missing_lines() -> dict[str, list[int]]:
+    """Snippet file -> line numbers no rank executed."""
     measured = snippet_coverage.measured_files()
-    missing = snippet_coverage.missing(measured)
-    remade = 0
-    for record in snippet_coverage.partial_runs():  # cheapest first
-        if snippet_coverage.files_of(record["snippet"]) & set(missing):
-            remake_with_every_rank_traced(record)
-            remade += 1
-            missing = snippet_coverage.missing(measured)
-    if remade:
-        close_pools()
-    if config is not None:
-        config.snippet_coverage_remade = remade
-    return {measured[path]: sorted(lines) for path, lines in sorted(missing.items())}
+    return {measured[path]: sorted(lines) for path, lines in sorted(snippet_coverage.missing(measured).items())}
 
 
 @pytest.hookimpl(trylast=True)
@@ -125,22 +109,18 @@ def pytest_sessionfinish(session, exitstatus):
     if not hasattr(config, "snippet_coverage_dir") or exitstatus not in (0, 1):
         return
     close_pools()  # every job's lines are written before its worker answers
-    missing = missing_lines(config)
+    missing = missing_lines()
     config.snippet_coverage_missing = missing
     if missing:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def traced_runs(config) -> str:
-    """What the gate cost: how many runs were traced, on which ranks, and how many not."""
-    decisions = [d for d in snippet_coverage.decisions() if d["kind"] != "again"]
-    every = sum(1 for d in decisions if d["ranks"] == "all")
-    some = sum(1 for d in decisions if d["ranks"] not in ("all", "none"))
-    untraced = sum(1 for d in decisions if d["ranks"] == "none")
-    remade = getattr(config, "snippet_coverage_remade", 0)
-    return (f"measured in {every + some} of {len(decisions)} runs ({every} on every rank, {some} on their first "
-            f"and last; {untraced} not traced: every line of their files seen, or the run traced at another rank "
-            f"count), {remade} made again with every rank traced")
+    """What the gate cost: how many runs were traced, and how many not."""
+    decisions = snippet_coverage.decisions()
+    traced = sum(1 for d in decisions if d["ranks"] != "none")
+    return (f"measured in {traced} of {len(decisions)} runs; {len(decisions) - traced} not traced: every line "
+            f"of their files already seen")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

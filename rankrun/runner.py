@@ -53,8 +53,7 @@ __all__ = ["check_torchrun", "documented_run", "run_torchrun", "torchrun_result"
 
 
 # Snippet line coverage (rankrun/coverage_gate.py) is measured only in the runs that can still add a
-# line, on rank 0; the gate makes the runs traced on rank 0 only again with every rank traced
-# before it reports a line missing (rankrun.snippet_coverage).
+# line (rankrun.snippet_coverage).
 
 
 def _coverage_wanted(path: Path) -> bool:
@@ -102,15 +101,10 @@ def run_snippet(
     )
 
 
-def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool, hang=None,
-             trace: str | None = None, again: bool = False) -> RunResult:
-    """Make the run. `trace`: the ranks that measure snippet coverage ("0", "all", or "" for none);
-    by default, as rankrun.snippet_coverage decides when the session measures it."""
-    asked_env = env
+def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool, hang=None) -> RunResult:
+    """Make the run; its ranks measure snippet coverage when rankrun.snippet_coverage says so."""
     measured = _coverage_wanted(path)
-    key = run_cache.run_key(str(path), 0, call, env, fresh, hang=None if hang is None else hang.key())
-    if trace is None:
-        trace = snippet_coverage.ranks_to_trace(path, world_size, key) if measured else ""
+    trace = snippet_coverage.ranks_to_trace(path, world_size) if measured else ""
     if trace:
         env = {**(env or {}), snippet_coverage.RANKS: trace}
     first_attempt = None
@@ -131,23 +125,8 @@ def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, en
         # so it tries once more with another port.
         first_attempt = result
     if measured:
-        snippet_coverage.log_decision(path, world_size, trace, "again" if again else "fresh" if fresh else "warm")
-        if trace:
-            snippet_coverage.record_traced(path, key)
-        traced = range(world_size) if trace == "all" else [int(rank) for rank in trace.split(",") if rank]
-        # a rank the runner killed saved nothing, traced or not: making the run again would not help
-        untraced_ended = [rank for rank in range(world_size)
-                          if rank not in traced and not result.ranks[rank].killed_by_runner]
-        if untraced_ended and (trace or snippet_coverage.traced_at_another_rank_count(path, key)):
-            snippet_coverage.record_partial(path, world_size, dict(
-                call=call, timeout=timeout, grace=grace, env=asked_env, fresh=fresh, hang=hang))
+        snippet_coverage.log_decision(path, world_size, trace, "fresh" if fresh else "warm")
     return result
-
-
-def remake_with_every_rank_traced(record: dict) -> RunResult:
-    """A run rankrun.snippet_coverage recorded as traced on rank 0 only, made again with every
-    rank traced (the coverage gate, before it reports a line missing)."""
-    return _run_now(Path(record["snippet"]), record["world_size"], trace="all", again=True, **record["arguments"])
 
 
 # C++ stacks of a rank that gets a fatal signal at exit (see the sitecustomize.py there).
@@ -168,9 +147,9 @@ def run_torchrun(snippet: str, nproc: int = 2, timeout: float = 600.0) -> subpro
         env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(STACKS_AT_ABORT), env.get("PYTHONPATH")])))
         if snippet in RUN_BY_TORCHRUN and _coverage_wanted(ROOT / snippet):
-            trace = "all" if snippet_coverage.ranks_to_trace(ROOT / snippet, nproc) else ""
+            trace = snippet_coverage.ranks_to_trace(ROOT / snippet, nproc)
             snippet_coverage.log_decision(ROOT / snippet, nproc, trace, "torchrun")
-            if trace:  # nproc is 1 for these (torchrun_result), so "all" is the one rank
+            if trace:
                 env.update(torchrun_coverage.environment(env))
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), snippet]
         started = time.monotonic()

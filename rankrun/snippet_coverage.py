@@ -3,45 +3,33 @@ as few runs as the gate (rankrun/coverage_gate.py) needs, with the same verdict 
 rank of every run.
 
 Tracing costs a traced rank about 40% more CPU (every Python call in torch and DeepSpeed goes
-through the tracer), so a run is traced only while it can still add a line, and only on the ranks
-that can:
+through the tracer), so a run is traced only while it can still add a line:
 
 - A run's files: its snippet, the snippet modules it imports from its own directory (and theirs),
   and the snippet files it names in a string (gather_timeline.py loads "language_model.py" with
   runpy).
-- Once every line of a run's files has been seen by a traced rank in this session, no later run
-  can add one: it is not traced.
-- Otherwise it is traced on its first and last rank (all of a 1- or 2-rank run): rank 0 prints and
-  saves, the last rank is the last pipeline stage; the ranks between run what one of them runs in
-  almost every example. A traced rank writes the lines it ran (`seen/`).
-- A run of the same snippet, entry point and environment as one already traced, at another rank
-  count, is not traced: it runs the same lines but for a branch on the rank count (a refusal, a
-  middle pipeline stage).
-- A run with a rank that was not traced and ended by itself is recorded (`partial/`). At the end
-  of the session, for each file that still misses a line, the gate makes the recorded runs that
-  can execute that file again, with every rank traced, cheapest first (fewest ranks), until the
-  file misses nothing, before it reports: the line a refusal reaches at 3 ranks, or that only a
-  middle rank runs, is seen then. (A rank the runner killed, its peer having failed first, saves
-  nothing in any run, so it is not a reason to make a run again.)
+- While one of those files has a line that no traced rank has run in this session, the run is
+  traced on every rank, and each rank writes the lines it ran (`seen/`), which every later decision
+  reads. Once every line of them has been seen, no later run can add one: it is not traced.
 
-So a line no rank of any run executed still fails the gate, and a line some rank executed passes
-it. The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's): `seen/*.json` ({file:
-[lines]} per traced rank), `partial/*.pickle` (a run to make again, with its arguments),
-`decisions.jsonl` (one line per run: traced ranks, or why not), for the summary.
+So a line that no rank of any run executed still fails the gate, and a line some rank executed
+passes it. (Tracing fewer ranks, or skipping a run of an example at another rank count, would need
+the gate to make runs again at the end to stay exact; measured on the pipeline examples, that cost
+more than it saved.) The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's):
+`seen/*.json` ({file: [lines]} per traced rank), `decisions.jsonl` (one line per run: traced or
+not), for the summary.
 
-A part of the suite (a shard of the hosted CI, `--snippet-coverage-data DIR`) traces every rank
-of a run that can add a line, so that no run has to be made again, and keeps what it saw in DIR;
-`python -m rankrun.snippet_coverage DIR [DIR ...]` gives the verdict on the union (standard
-library and coverage.py only).
+A part of the suite (a shard of the hosted CI, `--snippet-coverage-data DIR`) decides the same way
+within itself and keeps what it saw in DIR; `python -m rankrun.snippet_coverage DIR [DIR ...]`
+gives the verdict on the union (standard library and coverage.py only): the union holds every line
+a rank of any part ran, so it is the whole suite's verdict.
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
-import pickle
 import re
 from functools import cache
 from pathlib import Path
@@ -51,9 +39,6 @@ from rankrun.project import ROOT, SNIPPETS
 DATA = "SNIPPET_COVERAGE_DATA"
 # In a rank's environment: the ranks to trace, "all" or comma-separated ranks; unset, none.
 RANKS = "SNIPPET_COVERAGE_RANKS"
-# Set (--snippet-coverage-data, a part of the suite): trace every rank of a run that can add a line,
-# so that the union of the parts is exact without making a run again.
-EVERY_RANK = "SNIPPET_COVERAGE_EVERY_RANK"
 # A line excluded from the gate besides `# pragma: no cover`: after the line that raises, in an
 # example that demonstrates a failure.
 NEVER_REACHED = r"#\s*never reached"
@@ -175,37 +160,13 @@ def _measured() -> frozenset[str]:
     return frozenset(measured_files())
 
 
-def ranks_to_trace(snippet: Path, world_size: int, key: str = "") -> str:
-    """The ranks to trace, as RANKS takes them: "" (none), "all", or "0,N-1" (see the module docstring).
-    `key`: what decides which lines the run reaches besides its rank count (entry point, environment,
-    fresh or warm)."""
-    if not _SEEN.unseen(files_of(str(snippet)) & _measured()):
-        return ""
-    if os.environ.get(EVERY_RANK) or world_size <= 2:
-        return "all"
-    if key and traced_at_another_rank_count(snippet, key):
-        return ""
-    return f"0,{world_size - 1}"
+def ranks_to_trace(snippet: Path, world_size: int) -> str:
+    """The ranks to trace, as RANKS takes them: "all" while a file of the run has a line not yet
+    seen, else "" (see the module docstring)."""
+    return "all" if _SEEN.unseen(files_of(str(snippet)) & _measured()) else ""
 
 
-def _key_marker(snippet: Path, key: str) -> Path:
-    name = hashlib.sha256(f"{snippet.resolve()}\0{key}".encode()).hexdigest()[:24]
-    return directory() / "traced" / name
-
-
-def traced_at_another_rank_count(snippet: Path, key: str) -> bool:
-    return bool(key) and _key_marker(snippet, key).exists()
-
-
-def record_traced(snippet: Path, key: str) -> None:
-    """A run of `snippet` with `key` was traced (its lines other rank counts of it would reach too)."""
-    if key:
-        marker = _key_marker(snippet, key)
-        marker.parent.mkdir(exist_ok=True)
-        marker.touch()
-
-
-# --- the record of the runs, and making them again ----------------------------------------------
+# --- the record of the decisions ----------------------------------------------------------------
 
 def log_decision(snippet: Path, world_size: int, ranks: str, kind: str) -> None:
     where = directory()
@@ -214,23 +175,6 @@ def log_decision(snippet: Path, world_size: int, ranks: str, kind: str) -> None:
     with open(where / "decisions.jsonl", "a") as log:  # one short write: atomic with O_APPEND
         log.write(json.dumps({"snippet": str(snippet), "world_size": world_size, "ranks": ranks or "none",
                               "kind": kind}) + "\n")
-
-
-def record_partial(snippet: Path, world_size: int, arguments: dict) -> None:
-    """A run with a rank that was not traced and ended by itself: what the gate needs to make it
-    again (rankrun.runner._run_now's arguments), if a file it can execute still misses a line."""
-    where = directory() / "partial"
-    where.mkdir(exist_ok=True)
-    payload = pickle.dumps({"snippet": str(snippet), "world_size": world_size, "arguments": arguments})
-    name = hashlib.sha256(payload).hexdigest()[:24]
-    (where / f"{name}.pickle").write_bytes(payload)
-
-
-def partial_runs() -> list[dict]:
-    """The recorded runs, cheapest first: fewest ranks, then the snippet's name."""
-    where = directory() / "partial"
-    records = [pickle.loads(path.read_bytes()) for path in sorted(where.glob("*.pickle"))] if where.is_dir() else []
-    return sorted(records, key=lambda record: (record["world_size"], record["snippet"]))
 
 
 def missing(paths) -> dict[str, set[int]]:

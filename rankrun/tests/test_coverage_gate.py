@@ -1,9 +1,8 @@
 """The snippet-coverage gate (rankrun/coverage_gate.py, rankrun.snippet_coverage) measures each
-example only in the runs that can still add a line, on their first and last rank, and still fails
-on a line that no rank of any run reached, and only on such a line: lines only rank 1 runs, only a
-4-rank run runs, only a middle rank of a 4-rank run runs, only a failing run reaches, or only an
-imported module runs on rank 1 all pass, because the gate makes the runs not traced on every rank
-again with every rank traced before it reports."""
+example only in the runs that can still add a line, and still fails on a line that no rank of any
+run reached, and only on such a line: lines only rank 1 runs, only a 4-rank run runs, only a middle
+rank of a 4-rank run runs, only a failing run reaches, or only an imported module runs on rank 1
+all pass; the runs after every line of their files was seen are not traced."""
 
 import os
 import re
@@ -155,14 +154,11 @@ def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(
     missing = MISSING.findall(report)
     # dead.py's line 2 (the body of never_called) and nothing else: every other line ran in some rank
     assert missing == [("snippets/demo/dead.py", "2")], report
-    # 8 runs. On every rank: everywhere on 2 ranks, plain's first run, failing, dead.py's one rank.
-    # On its first and last rank: everywhere on 4 ranks with another environment (its middle ranks'
-    # line still unseen). Not traced: everywhere on 4 ranks (traced on 2 already), plain's second and
-    # third (every line seen). At the end everywhere.py misses its middle-rank line: one of its two
-    # 4-rank runs is made again with every rank traced, which sees it, and the other is not.
-    assert ("snippet coverage: measured in 5 of 8 runs (4 on every rank, 1 on their first and last; 3 not traced: "
-            "every line of their files seen, or the run traced at another rank count), 1 made again with every "
-            "rank traced") in report, report
+    # 8 runs. Traced: everywhere on 2 ranks, then on 4 with another environment (its 4-rank and
+    # middle-rank lines still unseen), plain's first run, failing, dead.py's (its dead line is never
+    # seen). Not traced: everywhere on 4 ranks, plain's second and third: every line already seen.
+    assert ("snippet coverage: measured in 5 of 8 runs; 3 not traced: every line of their files already "
+            "seen") in report, report
 
 
 def test_parts_of_the_suite_are_judged_on_their_union(tmp_path):
