@@ -62,13 +62,17 @@ def ensure_environment() -> None:
 # (1.11 here) hash a build command differently, so each rebuilds what the other built (30 s to
 # minutes). tasks.py and an activated shell put .venv/bin first; a `.venv/bin/torchrun` or
 # `.venv/bin/python` started without activating did not, and rebuilt the op with /usr/bin/ninja.
-# This line, run by every interpreter of the environment at start (site's .pth files), puts the
-# environment's bin/ first on PATH, as activating does, however the interpreter was started.
+# And without TORCH_EXTENSIONS_DIR such an interpreter built into ~/.cache/torch_extensions, which
+# every other environment of the machine shares (checkouts side by side rebuild it for each other,
+# and a run waits on another's build lock). This line, run by every interpreter of the environment
+# at start (site's .pth files), puts the environment's bin/ first on PATH, as activating does, and
+# gives TORCH_EXTENSIONS_DIR the environment's own directory unless it is set: as tasks.py does.
 OWN_NINJA_PTH = "shared_params_docs_own_ninja.pth"
 OWN_NINJA_LINE = (
     "import os, sys; _bin = os.path.join(sys.prefix, 'bin'); "
     "os.environ['PATH'] = os.environ.get('PATH', '') if os.environ.get('PATH', '').split(os.pathsep)[0] == _bin "
-    "else os.pathsep.join(filter(None, [_bin, os.environ.get('PATH')]))\n")
+    "else os.pathsep.join(filter(None, [_bin, os.environ.get('PATH')])); "
+    "os.environ.setdefault('TORCH_EXTENSIONS_DIR', os.path.join(sys.prefix, 'torch_extensions'))\n")
 
 
 def ensure_own_ninja_first() -> None:

@@ -63,11 +63,16 @@ def read_durations(path: Path = DURATIONS) -> dict[str, float]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+# The least a test weighs: its setup and teardown cost something even where the recorded duration
+# rounds to 0, and groups of no weight would all go to the first shard.
+LEAST = 0.01
+
+
 def weights(nodeids: list[str], durations: dict[str, float]) -> dict[str, float]:
     """Each test's weight: its recorded duration, or the mean of those recorded (see above)."""
     known = [durations[nodeid] for nodeid in nodeids if nodeid in durations]
     mean = sum(known) / len(known) if known else 1.0
-    return {nodeid: durations.get(nodeid, mean) for nodeid in nodeids}
+    return {nodeid: max(durations.get(nodeid, mean), LEAST) for nodeid in nodeids}
 
 
 def assign(nodeids: Iterable[str], shards: int, durations: dict[str, float]) -> list[list[str]]:

@@ -49,11 +49,11 @@ def through_the_activated_venv(**variables: str) -> None:
 
 
 def through_the_venv_not_activated(**variables: str) -> None:
-    """`.venv/bin/python` (or `.venv/bin/torchrun`) started without activating the environment: the
-    system's ninja comes first on the shell's PATH, which used to rebuild the op (devtasks.install,
-    OWN_NINJA_PTH)."""
-    env = {**a_readers_shell(), "TORCH_EXTENSIONS_DIR": str(VENV / "torch_extensions"), "DS_ACCELERATOR": "cpu",
-           **variables}
+    """`.venv/bin/python` (or `.venv/bin/torchrun`, or `.venv/bin/python -m pytest`) started without
+    activating the environment and without TORCH_EXTENSIONS_DIR: the system's ninja came first on the
+    shell's PATH, which rebuilt the op, and torch built into ~/.cache/torch_extensions, which every
+    environment of the machine shares (devtasks.install, OWN_NINJA_PTH)."""
+    env = {**a_readers_shell(), "DS_ACCELERATOR": "cpu", **variables}
     subprocess.run([str(VENV / "bin" / "python"), "-c", LOAD], cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=900)
 
