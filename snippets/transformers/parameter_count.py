@@ -17,9 +17,11 @@ import tempfile
 
 import accelerate
 import deepspeed
+import peft
 import torch
 import transformers
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer
 from transformers import TrainingArguments
@@ -27,14 +29,14 @@ from transformers import TrainingArguments
 from tied_causal_lm import Warnings, error_text
 from tiny_t5 import fresh_accelerate_state
 
-VOCAB, SEQ, EXAMPLES, STEPS, SEED, LR = 32, 6, 8, 3, 0, 0.1
+VOCAB, SEQ, EXAMPLES, STEPS, SEED, LR, HIDDEN = 32, 6, 8, 3, 0, 0.1, 384
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 
 
 def save_model():
     """Wide enough that each projection (384 x 384 = 147,456 values) is above DeepSpeed's
     default persistence threshold (100,000), as every projection of a real model is."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=768,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                          num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, max_position_embeddings=16)
     torch.manual_seed(SEED)
@@ -80,8 +82,8 @@ def print_trainable_parameters(model):
         total += param.numel()
         if param.requires_grad:
             trainable += param.numel()
-    print(f"trainable params: {trainable} || all params: {total} "
-          f"|| trainable%: {100 * trainable / total:.2f}")
+    print(f"trainable params: {trainable} || all params: {total}")
+    print(f"trainable%: {100 * trainable / total:.2f}")
 # --8<-- [end:hand]
 
 
@@ -94,11 +96,11 @@ def parameter_count(model, trainable_only=False):
 
 
 def printed(call):
-    """What `call` printed, or the error it raised."""
+    """What `call` printed, then the error it raised, if any: one line."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         error = error_text(call)
-    return error or out.getvalue().strip()
+    return " / ".join(out.getvalue().strip().splitlines() + ([error] if error else []))
 
 
 def counts(model):
@@ -166,6 +168,11 @@ def main():
 
 
 def print_report(results):
+    default = DeepSpeedZeroConfig().param_persistence_threshold
+    print(f"transformers {transformers.__version__}, peft {peft.__version__}, "
+          f"deepspeed {deepspeed.__version__}")
+    print(f"DeepSpeed's default stage3_param_persistence_threshold: {default:,}")
+    print(f"values in each projection (q_proj.weight): {HIDDEN * HIDDEN:,}")
     for name, result in results.items():
         print(f"stage3_param_persistence_threshold: {name}")
         for when in ("before", "after"):

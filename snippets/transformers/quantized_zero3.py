@@ -29,6 +29,7 @@ from tied_causal_lm import training_arguments
 from tiny_t5 import fresh_accelerate_state
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+# --8<-- [start:quantizations]
 QUANTIZATIONS = {  # compute in float32: the CPU here, and the one-process reference
     "4-bit NF4": BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -38,6 +39,7 @@ QUANTIZATIONS = {  # compute in float32: the CPU here, and the one-process refer
         bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32),
     "8-bit": BitsAndBytesConfig(load_in_8bit=True),
 }
+# --8<-- [end:quantizations]
 ZERO3 = {"train_micro_batch_size_per_gpu": 1,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 

@@ -70,18 +70,20 @@ def test_counts_and_training(world_size, reference, expect_output):
             before = result_case["before"]
             assert before["parameters with numel() 0"] == len(numel) - len(trainable), label
             assert before["hand-written count"] == (
-                f"trainable params: {lora} || all params: {lora} || trainable%: 100.00")
+                f"trainable params: {lora} || all params: {lora} / trainable%: 100.00")
             assert before["model.num_parameters()"] == lora
             after = result_case["after"]
             whole_count = sum(numel[name] for name in kept[case])
             assert after["parameters with numel() 0"] == len(numel) - len(kept[case]), label
             assert after["model.num_parameters()"] == whole_count, label
+            whole_lora = sum(numel[name] for name in kept[case] & trainable)
+            line = f"trainable params: {whole_lora} || all params: {whole_count}"
             if whole_count:
                 assert after["hand-written count"] == (
-                    f"trainable params: {lora} || all params: {whole_count} || "
-                    f"trainable%: {100 * lora / whole_count:.2f}"), label
-            else:
-                assert after["hand-written count"] == "ZeroDivisionError: division by zero"
+                    f"{line} / trainable%: {100 * whole_lora / whole_count:.2f}"), label
+            else:  # the readers' "trainable params: 0", then the share divides by zero
+                assert after["hand-written count"] == (
+                    f"{line} / ZeroDivisionError: division by zero"), label
             # The counts that read ds_numel are the full ones, before and after.
             for counted in (before, after):
                 assert counted["PEFT print_trainable_parameters"] == peft_line(lora, total)
