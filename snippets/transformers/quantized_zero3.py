@@ -157,18 +157,14 @@ def print_report(results):
     partitioned = sum(p["ds_numel"] is not None for p in case["loaded"].values())
     print(f"4-bit NF4: parameters with a ds_numel after from_pretrained: {partitioned} "
           f"of {len(case['loaded'])}")
-    print("4-bit NF4 + LoRA after training with Trainer under ZeRO-3 (threshold 0);")
-    print("every shape is (0,); names under model.layers.0:")
-    rows = [("parameter", "class", "loaded as", "ds_shape", "ds_numel")]
+    print("4-bit NF4 + LoRA after training with Trainer under ZeRO-3 (threshold 0),")
+    print("every shape (0,); name: class, as loaded -> ds_shape, ds_numel:")
     for name, after in case["trained"].items():
         before = case["loaded"].get(name.replace(".base_layer", ""))
-        loaded = f"{before['dtype']} {before['shape']}" if before else "(LoRA)"
+        loaded = f"{before['dtype']} {before['shape']}" if before else "LoRA"
         short = name.replace("model.layers.0.", "").replace("self_attn.", "")
-        rows.append((short.replace("mlp.", ""), after["class"], loaded,
-                     str(after["ds_shape"]), str(after["ds_numel"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(f"  {short.replace('mlp.', '')}: {after['class']}, {loaded} -> "
+              f"{after['ds_shape']}, {after['ds_numel']}")
     print()
     print("q_proj's quantized weight in each case (after training):")
     for name in QUANTIZATIONS:
