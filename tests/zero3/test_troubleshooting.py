@@ -64,6 +64,9 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
+    "RuntimeError: Error(s) in loading state_dict for ValueHead: size mismatch for summary.weight: "
+    "copying a param with shape torch.Size([1, 16]) from checkpoint, the shape in current model is "
+    "torch.Size([0])": ["../transformers/value_head_load.out"],
     # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
     "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
     "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
@@ -79,6 +82,15 @@ SOURCES = {
     # Tied weights with FSDP: meta-device init and FSDP1 units (pipeline/fsdp-tied-init-checkpoints.md)
     'Missing key(s) in state_dict: "lm_head.weight".': ["../pipeline/fsdp_meta_init_llama.out"],
     "RuntimeError: size mismatch, got input (24), mat (24x8), vec (64)": ["../pipeline/fsdp1_shared_units.out"],
+    # Quantized models and counting parameters (quantized_zero3.py, parameter_count.py,
+    # versions/trainer_param_count.py)
+    "ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.": [
+        "../transformers/quantized_zero3.out"],
+    "ValueError: matmul_4bit: quant_state.shape must be 2D [N, K]": ["../transformers/quantized_zero3.out"],
+    "ZeroDivisionError: integer division or modulo by zero": ["../transformers/quantized_zero3.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_numel'": [
+        "../transformers/trainer_param_count.txt"],
+    "ZeroDivisionError: division by zero": ["../transformers/parameter_count.out"],
     # Fused losses, TRL's generation helper and copied models
     "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
