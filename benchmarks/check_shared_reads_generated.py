@@ -1,7 +1,13 @@
 """Benchmark: check_shared_reads.py against real ZeRO-3 runs on generated models.
 
     .venv/bin/python benchmarks/check_shared_reads_generated.py [--count 300] [--chunk 50]
-        [--four-ranks 40]
+        [--four-ranks 40] [--family reads|copies]
+
+Two families of generated models: "reads" (snippets/zero3/generated_models.py, a weight read
+in every way a forward can read it) and "copies" (snippets/zero3/generated_copies.py, a
+constructor that copies a partitioned module or weight, a forward or loop that writes into
+a gathered weight). For "copies" the checker agrees when it names exactly the parameters
+the model's spec leaves wrong (its `affected`), and nothing for a model that works.
 
 For each model of snippets/zero3/generated_models.py (seeded), the checker's verdict (one
 rank: no findings, or which parameters) is compared with a real 2-rank ZeRO-3 run compared
@@ -25,7 +31,9 @@ from pathlib import Path
 from rankrun.runner import close_pools, run_snippet
 from rankrun.tolerance import matches
 
-SNIPPET = "snippets/zero3/generated_models.py"
+SNIPPETS = {"reads": "snippets/zero3/generated_models.py",
+            "copies": "snippets/zero3/generated_copies.py"}
+SNIPPET = SNIPPETS["reads"]
 SHARED = "block.owner.weight"
 
 
@@ -49,26 +57,31 @@ def checker_verdict(findings):
     return "no findings" if not names else "finds " + ", ".join(names)
 
 
-def agrees(outcome, verdict):
+def agrees(outcome, verdict, affected=None):
+    """No findings for a model that works; else exactly the parameters it leaves wrong
+    (`affected`, for the copies; the shared weight, for the reads)."""
     if outcome == "works":
         return verdict == "no findings"
-    return verdict == f"finds {SHARED}"
+    expected = [SHARED] if affected is None else affected
+    return verdict == "finds " + ", ".join(sorted(expected))
 
 
-def run(first, count, world_size, call, timeout):
+def run(first, count, world_size, call, timeout, snippet=SNIPPET):
     env = {"GENERATED_MODELS": f"{first}:{count}"}
-    result = run_snippet(SNIPPET, world_size, call=call, env=env, timeout=timeout).check()
+    result = run_snippet(snippet, world_size, call=call, env=env, timeout=timeout).check()
     return [result.returned(rank) for rank in range(world_size)]
 
 
-def compare(first, count, chunk, world_size, timeout):
+def compare(first, count, chunk, world_size, timeout, snippet=SNIPPET):
     rows = {}
     for start in range(first, first + count, chunk):
         n = min(chunk, first + count - start)
-        real = run(start, n, world_size, "main", timeout)
-        checked = run(start, n, 1, "checker_verdicts", timeout)[0] if world_size == 2 else None
+        real = run(start, n, world_size, "main", timeout, snippet)
+        checked = (run(start, n, 1, "checker_verdicts", timeout, snippet)[0]
+                   if world_size == 2 else None)
         for index in real[0]:
             rows[index] = {"spec": real[0][index]["spec"],
+                           "affected": real[0][index].get("affected"),
                            "outcome": real_outcome([r[index] for r in real]),
                            "verdict": checker_verdict(checked[index][1]) if checked else None,
                            "findings": checked[index][1] if checked else None}
@@ -80,7 +93,7 @@ def compare(first, count, chunk, world_size, timeout):
     return rows
 
 
-def mend(rows, world_size, chunk, timeout):
+def mend(rows, world_size, chunk, timeout, snippet=SNIPPET):
     """Every model the checker flagged, trained again on `world_size` ranks with the fixes
     it proposed applied as it states them: {index: real outcome}."""
     flagged = {i: r["findings"] for i, r in rows.items() if r["findings"]}
@@ -88,7 +101,7 @@ def mend(rows, world_size, chunk, timeout):
     for start in range(0, len(indices), chunk):
         part = {str(i): flagged[i] for i in indices[start:start + chunk]}
         env = {"GENERATED_FIXES": json.dumps(part)}
-        result = run_snippet(SNIPPET, world_size, call="main", env=env, timeout=timeout).check()
+        result = run_snippet(snippet, world_size, call="main", env=env, timeout=timeout).check()
         runs = [result.returned(rank) for rank in range(world_size)]
         for index in runs[0]:
             outcomes[index] = real_outcome([r[index] for r in runs])
@@ -105,8 +118,12 @@ def report_mend(outcomes, label):
             print(f"  NOT MENDED model {index}: {outcome}")
 
 
+def agrees_row(r):
+    return agrees(r["outcome"], r["verdict"], r.get("affected"))
+
+
 def report(rows, label):
-    agree = sum(agrees(r["outcome"], r["verdict"]) for r in rows.values())
+    agree = sum(agrees_row(r) for r in rows.values())
     print(f"\n{label}: {len(rows)} models, checker agrees on {agree}, disagrees on {len(rows) - agree}")
     works = sum((r["outcome"] == "works") == (r["verdict"] == "no findings") for r in rows.values())
     print(f"  works or not (no findings or some): agrees on {works} of {len(rows)}")
@@ -114,10 +131,11 @@ def report(rows, label):
     for key in spec_keys:
         counts = collections.defaultdict(lambda: [0, 0])
         for r in rows.values():
-            counts[str(r["spec"][key])][0 if agrees(r["outcome"], r["verdict"]) else 1] += 1
+            counts[str(r["spec"][key])][0 if agrees_row(r) else 1] += 1
         cells = ", ".join(f"{value}: {a}/{d}" for value, (a, d) in sorted(counts.items()))
         print(f"  {key} (agree/disagree): {cells}")
-    for key in ("register", "entry", "compute"):
+    for key in [k for k in ("register", "entry", "compute", "construct", "write", "writer")
+                if k in spec_keys]:
         counts = collections.defaultdict(collections.Counter)
         for r in rows.values():
             counts[r["spec"][key]]["works" if r["outcome"] == "works" else "fails"] += 1
@@ -128,7 +146,7 @@ def report(rows, label):
     for outcome, n in outcomes.most_common():
         print(f"    {n:4d}  {outcome}")
     for index, r in sorted(rows.items()):
-        if not agrees(r["outcome"], r["verdict"]):
+        if not agrees_row(r):
             print(f"  DISAGREE model {index}: {r['spec']}\n    run: {r['outcome']}\n"
                   f"    checker: {r['verdict']} {r['findings']}")
 
@@ -138,11 +156,25 @@ HIDDEN = {"named_parameters", "parameters", "state_dict", "list of Parameter",
           "dict of Parameter", "object with Parameter"}
 
 
+def works(r):
+    return "works" if r["outcome"] == "works" else "fails"
+
+
+def breakdown_copies(rows):
+    """The copies: the real 2-rank runs, works/fails, by construct and by write."""
+    for keys in (("construct",), ("write", "writer")):
+        table = collections.defaultdict(collections.Counter)
+        for r in rows.values():
+            table[tuple(str(r["spec"][k]) for k in keys)][works(r)] += 1
+        print(f"\nreal 2-rank runs: works/fails by {', '.join(keys)}")
+        for key in sorted(table):
+            print(" ", " | ".join(key), f"{table[key]['works']}/{table[key]['fails']}")
+
+
 def breakdown(rows):
     """The real 2-rank runs, works/fails, by what decides them."""
-    def works(r):
-        return "works" if r["outcome"] == "works" else "fails"
-
+    if "construct" in next(iter(rows.values()))["spec"]:
+        return breakdown_copies(rows)
     table = collections.defaultdict(collections.Counter)
     for r in rows.values():
         s = r["spec"]
@@ -171,8 +203,8 @@ def report_rows(path):
         row = json.loads(line)
         (rows if row["ranks"] == 2 else four)[row["index"]] = row
     report(rows, "2 ranks")
-    four = {i: {**r, "verdict": rows[i]["verdict"], "findings": rows[i]["findings"]}
-            for i, r in four.items() if i in rows}
+    four = {i: {**r, "verdict": rows[i]["verdict"], "findings": rows[i]["findings"],
+                "affected": rows[i].get("affected")} for i, r in four.items() if i in rows}
     if four:
         report(four, "4 ranks")
         same = sum(four[i]["outcome"] == rows[i]["outcome"] for i in four)
@@ -190,7 +222,9 @@ def main():
     parser.add_argument("--from-rows", help="report the rows a run wrote (GENERATED_ROWS)")
     parser.add_argument("--mend-only", action="store_true",
                         help="with --from-rows: train the flagged models with their fixes")
+    parser.add_argument("--family", choices=sorted(SNIPPETS), default="reads")
     args = parser.parse_args()
+    snippet = SNIPPETS[args.family]
     started = time.perf_counter()
     if args.from_rows and args.mend_only:
         rows = {}
@@ -199,7 +233,7 @@ def main():
             if row["ranks"] == 2:
                 rows[row["index"]] = row
         try:
-            report_mend(mend(rows, 2, args.chunk, args.timeout), "2 ranks")
+            report_mend(mend(rows, 2, args.chunk, args.timeout, snippet), "2 ranks")
         finally:
             close_pools()
         print(f"\nwall {time.perf_counter() - started:.0f} s; load average {os.getloadavg()}")
@@ -207,14 +241,15 @@ def main():
     if args.from_rows:
         return report_rows(args.from_rows)
     try:
-        rows = compare(args.first, args.count, args.chunk, 2, args.timeout)
+        rows = compare(args.first, args.count, args.chunk, 2, args.timeout, snippet)
         report(rows, "2 ranks")
-        report_mend(mend(rows, 2, args.chunk, args.timeout), "2 ranks")
+        report_mend(mend(rows, 2, args.chunk, args.timeout, snippet), "2 ranks")
         if args.four_ranks:
-            four = compare(args.first, args.four_ranks, args.chunk, 4, args.timeout)
+            four = compare(args.first, args.four_ranks, args.chunk, 4, args.timeout, snippet)
             same = sum(four[i]["outcome"] == rows[i]["outcome"] for i in four)
             for i in four:
                 four[i]["verdict"], four[i]["findings"] = rows[i]["verdict"], rows[i]["findings"]
+                four[i]["affected"] = rows[i]["affected"]
             report(four, "4 ranks")
             print(f"  4-rank outcome equals the 2-rank outcome for {same} of {len(four)} models")
         breakdown(rows)

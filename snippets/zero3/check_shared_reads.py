@@ -264,6 +264,7 @@ class _Watch:
         module = self.running_module()
         phase = "forward" if module is not None else self.phase
         op = getattr(func, "__name__", str(func)).split(".")[0]
+        op = ".data =" if op == "__set__" else op
         self.writes.append(_Write(param, module, phase, self.step, _site(frame, phase), op,
                                   self.modifying.get(id(param), 0) > 0))
 
@@ -435,6 +436,13 @@ class _FunctionWatch(TorchFunctionMode):
                 if self.watch.phase == "constructor":  # did the operation change them?
                     before = [(p, p.detach().clone()) for p in missing]
         self.watch.note_use(args, kwargs)
+        if name == "data" and getattr(func, "__name__", "") == "__set__" and args and (
+                self.watch.phase != "constructor"):  # `weight.data = ...` replaces it
+            weight = args[0]
+            if getattr(weight, "ds_status", None) == ZeroParamStatus.AVAILABLE:
+                frame = sys._getframe(1)
+                if not _from_deepspeed(frame):
+                    self.watch.wrote(weight, func, frame)
         result = func(*args, **(kwargs or {}))
         for param, values in before:
             if param.shape != values.shape or not torch.equal(param.detach(), values):
@@ -840,10 +848,10 @@ def _copy_fix(made):
     block = (f"{made.source}.parameters()" if isinstance(made.copied, torch.nn.Module)
              else made.source)
     return (f"with deepspeed.zero.GatheredParameters({block}):",
-            f"around `{made.site}`{_in(made.owner)}: an empty copy of the partitioned `{what}` "
-            f"`{made.source}` (`copy.deepcopy`, no ZeRO-3 parameter); copied inside the "
-            "block, a copy gets the whole weights, which `deepspeed.initialize` partitions "
-            "(or build each copy with its constructor instead of copying)")
+            f"around `{made.site}`{_in(made.owner)}: empty copies of the partitioned `{what}` "
+            f"`{made.source}` (made by `copy.deepcopy`; not ZeRO-3 parameters): copied inside "
+            "the block, the copies get the whole weights, and `deepspeed.initialize` "
+            "partitions them (or build each copy with its constructor instead)")
 
 
 def _copied_change_fix(made, lost):
@@ -871,7 +879,7 @@ def _empty_fix(watch, param):
     empty = "made from a partitioned parameter, it holds nothing (full shape (0,))"
     if not sources:
         return "", (f"made at `{site}`{_in(owner)}: {empty}; make it from the whole "
-                    "parameter, inside `deepspeed.zero.GatheredParameters(...)` around that line")
+                    "parameter, in `deepspeed.zero.GatheredParameters(...)` around that line")
     block = sources[0] if len(sources) == 1 else f"[{', '.join(sources)}]"
     return (f"with deepspeed.zero.GatheredParameters({block}):",
             f"around `{site}`{_in(owner)}: {empty}; made inside the block from the whole "
@@ -938,7 +946,8 @@ def _describe(watch, use, name):
         return (parameter, *_constructor_fix(root, use, name,
                                              watch.site_uses.get(use.site, ())))
     if use.module is None:
-        block = f"with deepspeed.zero.GatheredParameters(engine.module.{name}):"
+        weight = _python_path(name, "engine.module")
+        block = f"with deepspeed.zero.GatheredParameters({weight}):"
         if use.phase == "backward":
             return parameter, block, (
                 f"move `engine.backward(loss)` into the block around `{use.site}`: "
@@ -951,8 +960,9 @@ def _describe(watch, use, name):
     if held is not None:
         return (parameter, *held[2:])
     holder, path = _common_holder(root, use.module, name)
-    target = "self" if holder is use.module else f"self.{_path_from(holder, use.module)}"
-    return (parameter, f"deepspeed.zero.register_external_parameter({target}, self.{path})",
+    target = "self" if holder is use.module else _python_path(_path_from(holder, use.module))
+    return (parameter,
+            f"deepspeed.zero.register_external_parameter({target}, {_python_path(path)})",
             f"at the end of `{type(holder).__name__}.__init__`")
 
 
@@ -975,7 +985,7 @@ def _constructor_fix(root, use, name, used_there=()):
                     f"({use.library_line}, its `self` being `{holder}`): zero.Init had "
                     "partitioned it, so the change was lost")
     path = _path_in(owner, use.param) if owner is not None else None
-    target = f"self.{path}" if path else "list(self.parameters())"
+    target = _python_path(path) if path else "list(self.parameters())"
     if path and owner is not None:  # every partitioned parameter that line uses, in order
         paths = [_path_in(owner, p) for p in used_there]
         paths = [p for p in paths if p is not None]
