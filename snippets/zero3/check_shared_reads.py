@@ -1088,12 +1088,13 @@ def print_table(findings, out=sys.stdout):
     """The findings, those with the same fix together: what was used, by which forward in
     which phase, then where the fix goes and the line itself."""
     if not findings:
-        print("No findings: ZeRO-3 gathered every parameter this model read.", file=out)
+        print("No findings: ZeRO-3 gathered every parameter this model read and lost no "
+              "weight.", file=out)
         return
     uses = sum(_as_finding(f).kind == "use" for f in findings)
+    lost = len({f.parameter for f in map(_as_finding, findings) if f.kind != "use"})
     counts = [f"{uses} use(s) of a parameter ZeRO-3 had not gathered" if uses else "",
-              f"{len(findings) - uses} weight(s) ZeRO-3 left empty, lost or overwrote"
-              if len(findings) > uses else ""]
+              f"{lost} weight(s) ZeRO-3 left empty or lost" if lost else ""]
     print(", ".join(c for c in counts if c) + ":", file=out)
     groups = {}
     for f in map(_as_finding, findings):

@@ -90,16 +90,16 @@ class WritingHead(nn.Linear):
 # --8<-- [end:writes]
 
 
-def fixes_for(fixes, line):
-    """The checker's fixes for the constructor line `line` of this file: (the `with` lines
-    around it, the lines to run before it)."""
+def fixes_for(fixes, file, line):
+    """The checker's fixes for the constructor line `file:line`: (the `with` lines around
+    it, the fixes to run before it)."""
     around, before = [], []
     for f in fixes:
         if f["kind"] == "write":
             continue
-        if re.match(rf"around `{Path(__file__).name}:{line}`", f["where"]):
+        if re.match(rf"around `{file}:{line}`", f["where"]):
             around.append(f["fix"])
-        elif f"before the copy at `{Path(__file__).name}:{line}`" in f["where"]:
+        elif f"before the copy at `{file}:{line}`" in f["where"]:
             before.append(f)
     return list(dict.fromkeys(around)), before
 
@@ -121,8 +121,8 @@ def redo(fix, scope):
 def checker_fixes(fixes, scope):
     """Around the next line of the caller (a constructor line): the checker's fixes for it,
     applied as they say (the `with` lines around it, what goes before it, before)."""
-    line = sys._getframe(2).f_lineno + 1
-    around, before = fixes_for(fixes, line)
+    caller = sys._getframe(2)
+    around, before = fixes_for(fixes, Path(caller.f_code.co_filename).name, caller.f_lineno + 1)
     for fix in before:
         redo(fix, scope)
     with contextlib.ExitStack() as stack:
