@@ -3,7 +3,7 @@ forward (or training loop) writes into a weight ZeRO-3 has gathered, each traine
 ZeRO-3 and in plain PyTorch (losses and full gradients, or the error), and checked by
 check_shared_reads.py: the checker's verdict should match the runs.
 
-Run on CPU (2 processes): the ZeRO-3 runs of the first models
+Run on CPU (2 processes): the ZeRO-3 runs of the suite's sample
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/generated_copies.py
 Run and tested here on CPU only; not run on GPUs.
 """
@@ -24,7 +24,10 @@ from torch import nn
 
 DIM, VOCAB, BATCH, SEQ, STEPS, SEED, LR = 6, 10, 4, 3, 3, 0, 0.1
 LIMIT = 0.2  # max_norm, and the bound of clamp_
-SAMPLE = 10  # models the suite runs; the benchmark runs many more
+# The models the suite runs (the benchmark runs many more): both sound constructs, torch's
+# two stacks, a copied layer, a clone, whole tensors loaded, MultiheadAttention, an assigned
+# weight, and a write in a forward, in the loop on the model's copy, and on both copies.
+SAMPLE = "1,2,4,5,6,7,9,16,19,21,23"
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": BATCH,
@@ -334,11 +337,16 @@ def indices():
     first:count or a list like 4,7; by default the sample."""
     if fixes():
         return sorted(fixes())
-    chosen = os.environ.get("GENERATED_MODELS", f"0:{SAMPLE}")
+    chosen = os.environ.get("GENERATED_MODELS", SAMPLE)
     if ":" not in chosen:
         return [int(index) for index in chosen.split(",")]
     first, _, count = chosen.partition(":")
     return range(int(first), int(first) + int(count))
+
+
+def same_message(error):
+    error = re.sub(r"'id': \d+", "'id': …", error)
+    return re.sub(r"'active_sub_modules': \{[\d, ]*\}", "'active_sub_modules': {…}", error)
 
 
 def main():
@@ -354,7 +362,10 @@ def main():
         how = " with the checker's fixes" if fixed else ""
         print(f"{len(results)} generated models trained under ZeRO-3{how}; "
               f"{len(errors)} raised an error:")
-        for where, error in sorted({(e["where"], e["error"]) for e in errors}):
+        # One line each: a load error's line breaks and tabs as one space, and ZeRO-3's
+        # AssertionError once, its ids (which differ from model to model) as "…"
+        shown = {(e["where"], same_message(" ".join(e["error"].split()))) for e in errors}
+        for where, error in sorted(shown):
             print(f"- {where}: `{error}`")
     torch.distributed.destroy_process_group()
     return results

@@ -28,6 +28,9 @@ SOURCES = {
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
     "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
     "RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules": ["free_active_param.out"],
+    "RuntimeError: Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
+    "shape torch.Size([6, 6]) from checkpoint, the shape in current model is torch.Size([0]).": [
+        "generated_copies.out"],
     "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
     "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
     "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
