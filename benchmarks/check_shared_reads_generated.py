@@ -94,13 +94,27 @@ def compare(first, count, chunk, world_size, timeout, snippet=SNIPPET):
     return rows
 
 
+def fix_parts(flagged, chunk, limit=100_000):
+    """The flagged models' findings in parts of at most `chunk` models and `limit` characters
+    of JSON: Linux refuses to start a program (here `ninja --version`, which DeepSpeed runs)
+    with an environment string over 128 KiB, and the findings travel in one."""
+    part = {}
+    for index in sorted(flagged):
+        if part and (len(part) == chunk or
+                     len(json.dumps({**part, str(index): flagged[index]})) > limit):
+            yield part
+            part = {}
+        part[str(index)] = flagged[index]
+    if part:
+        yield part
+
+
 def mend(rows, world_size, chunk, timeout, snippet=SNIPPET):
     """Every model the checker flagged, trained again on `world_size` ranks with the fixes
     it proposed applied as it states them: {index: real outcome}."""
     flagged = {i: r["findings"] for i, r in rows.items() if r["findings"]}
     outcomes, indices = {}, sorted(flagged)
-    for start in range(0, len(indices), chunk):
-        part = {str(i): flagged[i] for i in indices[start:start + chunk]}
+    for part in fix_parts(flagged, chunk):
         env = {"GENERATED_FIXES": json.dumps(part)}
         result = run_snippet(snippet, world_size, call="main", env=env, timeout=timeout).check()
         runs = [result.returned(rank) for rank in range(world_size)]
@@ -186,6 +200,15 @@ def breakdown_copies(rows):
         print(f"\nreal 2-rank runs, {which}: works/fails by {', '.join(keys)}")
         for key in sorted(table):
             print(" ", " | ".join(key), f"{table[key]['works']}/{table[key]['fails']}")
+    print("\nreal 2-rank runs without a lost write, by construct: what they did")
+    seen = collections.defaultdict(collections.Counter)
+    for r in rows.values():
+        if parts[0][2](r["spec"]):
+            outcome = " ".join(same_message(r["outcome"]).split())
+            seen[r["spec"]["construct"]][outcome] += 1
+    for construct in sorted(seen):
+        for outcome, n in seen[construct].most_common():
+            print(f"  {construct}: {n} x {outcome}")
 
 
 def breakdown(rows):

@@ -247,6 +247,9 @@ class _Watch:
                                   _site(frame, phase), hf_init=_in_hf_init(frame),
                                   user_owner=_user_constructor_of(frame))
         self.seen[key].needs_grad |= needs_grad
+        # Transformers' initialisation may write a weight a constructor used before
+        # (torch's MultiheadAttention): from_config then initializes it gathered.
+        self.seen[key].hf_init |= _in_hf_init(frame)
         if phase == "constructor":
             used = self.site_uses.setdefault(self.seen[key].site, [])
             if not any(p is param for p in used):
@@ -1138,6 +1141,8 @@ def apply_fixes(model, findings):
     lines = {(f.fix, f.where): None for f in map(_as_finding, findings)}  # each line once
     for fix, where in lines:
         cls = re.match(r"at the end of `(\w+)\.__init__`", where)
+        if fix.endswith(":"):  # a block, around a line the finding names: yours to write
+            continue
         for module in list(model.modules()) if cls else ():
             if type(module).__name__ == cls[1]:
                 exec(fix, {"deepspeed": deepspeed, "torch": torch, "self": module})
