@@ -118,6 +118,15 @@ def test_silent_cases_are_shown():
         assert line in changed, line
     assert "change_after_initialize.out" in page
     # the table has one row per case, and the sentence above it counts them
+    # a forward's write to its gathered weight (lost_writes.py): the rows keep their norm
+    lost = (ROOT / "snippets/zero3/lost_writes.out").read_text()
+    assert "as written: losses 2.8354 2.7863 2.7879, largest norm of a used row 4.7108" in lost
+    assert "lost_writes.out" in (ROOT / "docs/zero3/lost-writes.md").read_text()
+    # a constructor's assignment, load or MultiheadAttention under zero.Init (generated copies)
+    copies = (ROOT / "snippets/zero3/check_shared_reads_generated_copies.txt").read_text()
+    for construct in ("weight.data = a tensor", "load_state_dict from a partitioned layer",
+                      "nn.MultiheadAttention"):
+        assert re.search(rf"^  {re.escape(construct)}: \d+ x silently wrong$", copies, re.M), construct
     rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
-    assert len(rows) == 2 + 3  # header, separator, one row per case
-    assert "found three cases" in page
+    assert len(rows) == 2 + 5  # header, separator, one row per case
+    assert "found five cases" in page
