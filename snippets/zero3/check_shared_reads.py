@@ -1,10 +1,14 @@
-"""Check your model: every read of a parameter that ZeRO-3 did not gather, with the fix.
+"""Check your model: every read of a parameter that ZeRO-3 did not gather, every weight it
+leaves empty or loses (a copy of a partitioned layer, a write into a gathered weight), with
+the fix.
 
 It builds the model under `deepspeed.zero.Init` and trains a few steps under real ZeRO-3
 (every parameter partitioned), in this process, as one rank over gloo on the CPU. Instead of
 stopping at the first failure, it watches every operation: an operation that gets a
 parameter ZeRO-3 has not gathered is recorded, the parameter is gathered so that the step can
-go on, and the run continues. Copy this file next to your model, or run it:
+go on, and the run continues; so is an operation that writes into a weight ZeRO-3 gathered.
+It also builds the model without DeepSpeed from the same seed, and names every weight whose
+start value differs. Copy this file next to your model, or run it:
 
     python snippets/zero3/check_shared_reads.py path/to/file.py:factory
 
