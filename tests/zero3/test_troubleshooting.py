@@ -29,6 +29,9 @@ SOURCES = {
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
     "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
     "RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules": ["free_active_param.out"],
+    "RuntimeError: Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
+    "shape torch.Size([6, 6]) from checkpoint, the shape in current model is torch.Size([0]).": [
+        "generated_copies.out"],
     "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
     "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
     "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
@@ -131,6 +134,15 @@ def test_silent_cases_are_shown():
         assert line in changed, line
     assert "change_after_initialize.out" in page
     # the table has one row per case, and the sentence above it counts them
+    # a forward's write to its gathered weight (lost_writes.py): the rows keep their norm
+    lost = (ROOT / "snippets/zero3/lost_writes.out").read_text()
+    assert "as written: losses 2.8354 2.7863 2.7879, largest norm of a used row 4.7108" in lost
+    assert "lost_writes.out" in (ROOT / "docs/zero3/lost-writes.md").read_text()
+    # a constructor's assignment, load or MultiheadAttention under zero.Init (generated copies)
+    copies = (ROOT / "snippets/zero3/check_shared_reads_generated_copies.txt").read_text()
+    for construct in ("weight.data = a tensor", "load_state_dict from a partitioned layer",
+                      "nn.MultiheadAttention"):
+        assert re.search(rf"^  {re.escape(construct)}: \d+ x silently wrong$", copies, re.M), construct
     rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
-    assert len(rows) == 2 + 3  # header, separator, one row per case
-    assert "found three cases" in page
+    assert len(rows) == 2 + 5  # header, separator, one row per case
+    assert "found five cases" in page
