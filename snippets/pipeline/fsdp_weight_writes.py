@@ -1,7 +1,8 @@
 """Changing a weight FSDP shards, between training steps: half of the head's entries set to
-zero (as pruning does, pytorch/pytorch#107081), under FSDP1's summon_full_params with its
-options and under FSDP2 (full_tensor(), unshard(), an in-place op on the DTensor). Which
-changes are kept, which are lost without a word, which raise; 1 step before, 2 after.
+zero (as pruning does; pytorch/pytorch#107081 lost a change this way), under FSDP1's
+summon_full_params with its options and under FSDP2 (full_tensor(), unshard(), an in-place
+op on the DTensor). Which changes are kept, which are lost without a word, which raise;
+1 step before, 2 after.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/pipeline/fsdp_weight_writes.py
