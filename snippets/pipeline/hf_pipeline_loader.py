@@ -117,9 +117,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=DS_CONFIG)
     # --8<-- [end:main]
-    # never reached: the last stage raises in PipelineModule, the others then wait in
-    # deepspeed.initialize for it
-    dist.destroy_process_group()
+    # The last stage raises in PipelineModule; the others then wait for it in initialize.
+    dist.destroy_process_group()  # never reached
 
 
 if __name__ == "__main__":
