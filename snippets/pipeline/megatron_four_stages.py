@@ -165,7 +165,7 @@ def main():
                                              pipeline_model_parallel_size=stages)
     group = parallel_state.get_embedding_group(check_initialized=False)
     in_group = parallel_state.is_rank_in_embedding_group()
-    group_ranks = dist.get_process_group_ranks(group) if in_group else None
+    group_ranks = dist.get_process_group_ranks(group) if group is not None else None
     # --8<-- [end:group]
     config = tiny_gpt_config(stages)
     try:

@@ -50,7 +50,8 @@ def test_middle_stages_hold_no_copy_and_the_tie_trains_like_one_process(stages, 
             own = ["embed.weight"] if rank == 0 else ["head.weight"]
             assert got["parameters"] == sorted(own + mixers)
         else:
-            # A middle stage: no group, no copy; GPTModel builds there and holds neither.
+            # A middle stage: no group (get_embedding_group(check_initialized=False) is None),
+            # no copy; GPTModel builds there and holds neither.
             assert (got["in_group"], got["group_ranks"], got["start"]) == (False, None, None)
             assert got["built"] == "built"
             assert got["holds"] == {"layers": share, "embedding": False,
