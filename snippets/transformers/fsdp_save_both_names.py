@@ -77,7 +77,8 @@ def main():
     workdir = [tempfile.mkdtemp(prefix="fsdp-save-") if rank == 0 else None]
     dist.broadcast_object_list(workdir)
     both_names, one_name = (os.path.join(workdir[0], name) for name in ("both", "one"))
-    results = {"losses": losses, "logits": trained}
+    results = {"losses": losses, "logits": trained,
+               "trained_tied": model.lm_head.weight is model.model.embed_tokens.weight}
 
     # --8<-- [start:save]
     full = get_model_state_dict(model, options=StateDictOptions(

@@ -49,6 +49,7 @@ def test_the_gathered_state_dict_writes_both_names(world_size, reference, expect
         # FSDP2 trains the tied model as one process does (3 steps), tie kept.
         assert_matches(got["losses"], losses, f"rank {rank} losses")
         assert_matches(got["logits"], logits, f"rank {rank} logits after training")
+        assert got["trained_tied"] is True
         # The gathered full state dict has both names, as two tensors, and the file both keys.
         assert got["both_keys"] == ["lm_head.weight", "model.embed_tokens.weight"]
         # Transformers 5.24.0 ties them again: the two tensors are equal.
