@@ -15,7 +15,8 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
     "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out",
-                                           "../pipeline/fsdp1_shared_units.out"],
+                                           "../pipeline/fsdp1_shared_units.out",
+                                           "used_before_initialize.out"],
     "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
@@ -113,6 +114,10 @@ SOURCES = {
     "RuntimeError: 0 active drivers ([]). There should only be one.": ["liger_on_cpu.txt"],
     "ValueError: DeepSpeed ZeRO-3 is enabled and is not compatible with": ["../transformers/copied_reference.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_id'": ["../transformers/copied_reference.out"],
+    # Before deepspeed.initialize: launchers and frozen models (zero3/around-initialize.md)
+    "ValueError: max() arg is an empty sequence": ["frozen_model_engine.out"],
+    "assert len(set(t.dtype for t in tensors)) == 1": ["frozen_model_engine.out"],
+    "ModuleNotFoundError: No module named 'mpi4py'": ["../transformers/trainer_launch_python.txt"],
 }
 
 
