@@ -68,9 +68,6 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
-    "RuntimeError: Error(s) in loading state_dict for ValueHead: size mismatch for summary.weight: "
-    "copying a param with shape torch.Size([1, 16]) from checkpoint, the shape in current model is "
-    "torch.Size([0])": ["../transformers/value_head_load.out"],
     # Converting a tied checkpoint, saves that write a tied weight twice
     # (docs/zero3/converting-tied-checkpoints.md); the KeyError also heads an entry under FSDP2 below
     "KeyError: 'lm_head.weight'": ["../transformers/convert_tied_megatron.out",
@@ -78,6 +75,9 @@ SOURCES = {
                                    "../pipeline/hf_pipeline_loader.out"],
     'Unexpected key(s) in state_dict: "output_layer.weight".': [
         "../transformers/convert_tied_megatron.out", "../transformers/fsdp_save_both_names.out"],
+    "RuntimeError: Error(s) in loading state_dict for ValueHead: size mismatch for summary.weight: "
+    "copying a param with shape torch.Size([1, 16]) from checkpoint, the shape in current model is "
+    "torch.Size([0])": ["../transformers/value_head_load.out"],
     # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
     "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
     "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
