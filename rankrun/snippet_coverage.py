@@ -2,8 +2,9 @@
 as few runs as the gate (rankrun/coverage_gate.py) needs, with the same verdict as tracing every
 rank of every run.
 
-Tracing costs a traced rank about 40% more CPU (every Python call in torch and DeepSpeed goes
-through the tracer), so a run is traced only while it can still add a line:
+A measured ("traced") rank compiles its snippet files with line probes (rankrun.line_probes): a
+few milliseconds, and nothing in torch's or DeepSpeed's code, where coverage.py's tracer had cost
+a rank 30 to 60% more CPU. A run is measured only while it can still add a line:
 
 - A run's files: its snippet, the snippet modules it imports from its own directory (and theirs),
   and the snippet files it names in a string (gather_timeline.py loads "language_model.py" with
@@ -13,9 +14,8 @@ through the tracer), so a run is traced only while it can still add a line:
   reads. Once every line of them has been seen, no later run can add one: it is not traced.
 
 So a line that no rank of any run executed still fails the gate, and a line some rank executed
-passes it. (Tracing fewer ranks, or skipping a run of an example at another rank count, would need
-the gate to make runs again at the end to stay exact; measured on the pipeline examples, that cost
-more than it saved.) The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's):
+passes it. The lines that count are coverage.py's statements of the file (`statements`), less the
+exclusions; the probes record each as coverage.py's line tracer would (rankrun.line_probes). The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's):
 `seen/*.json` ({file: [lines]} per traced rank), `decisions.jsonl` (one line per run: traced or
 not), for the summary.
 
@@ -75,12 +75,6 @@ def record_seen(lines: dict[str, list[int]]) -> None:
     partial = seen / f".{os.getpid()}.{os.urandom(4).hex()}"
     partial.write_text(json.dumps(lines))
     partial.rename(seen / f"{partial.name[1:]}.json")  # whole files only, for a reader in another process
-
-
-def lines_of(measured) -> dict[str, list[int]]:
-    """What a stopped coverage.Coverage measured: {file: sorted line numbers}."""
-    data = measured.get_data()
-    return {path: sorted(data.lines(path) or ()) for path in data.measured_files()}
 
 
 # --- statements, and the files a run can execute -----------------------------------------------
