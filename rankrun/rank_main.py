@@ -354,7 +354,7 @@ def measured_run(snippet: str, report_file: str, function: str = "") -> int:
     for the gate."""
     from rankrun import line_probes, snippet_coverage
 
-    if not snippet_coverage.traced_here():
+    if not snippet_coverage.measured_here():
         return run_one(snippet, report_file, function)
     line_probes.start(os.path.join(PROJECT, "snippets"))
     try:

@@ -6,7 +6,7 @@ the launcher, and an example that starts interpreters of its own without torchru
 measures nothing in them), on the directory the warm ranks measure (rankrun/rank_main.py), and
 writes the lines they recorded for the gate (rankrun.snippet_coverage) at exit, and before
 `os._exit`, with which the examples end. The
-runner adds it only while the example still has a line no traced rank ran.
+runner adds it only while the example still has a line no measured rank ran.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _measure():
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
         return
     from rankrun import snippet_coverage
-    if not snippet_coverage.traced_here():
+    if not snippet_coverage.measured_here():
         return
     from rankrun import line_probes
     line_probes.start(os.environ["RANKRUN_SNIPPETS"])
