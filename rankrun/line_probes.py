@@ -25,7 +25,8 @@ every construct above records the same lines as coverage.py's tracer).
 
 The probes are compiled in wherever a snippet file becomes code in a measured rank: `compile`
 (runpy, `exec(compile(...))`, the harness's own entry point) and the import system (a sibling
-snippet module, also when a `.pyc` of it exists). Line numbers, columns, file names and the
+snippet module, also when a `.pyc` of it exists). The one file the interpreter compiles itself,
+the script of `python script.py` (a rank torchrun started), is run by `run_script` instead. Line numbers, columns, file names and the
 source that tracebacks and `inspect` read stay the file's own.
 """
 
@@ -182,6 +183,55 @@ def start(root: str | os.PathLike) -> None:
     setattr(builtins, PROBE, _codes.add)
     builtins.compile = _compile
     importlib.machinery.SourceFileLoader.get_code = _get_code
+
+
+def measured_script() -> str | None:
+    """The script this interpreter was started with (`python script.py`), if it is a file the
+    probes measure. The interpreter compiles that file itself, with no `compile` call or import
+    that a probe could be compiled into: run_script runs it instead."""
+    import sys
+
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else None
+    return _measured(script) if script else None
+
+
+def run_script(path: str) -> None:
+    """Run the script the interpreter was started with, compiled with probes, in `__main__` as the
+    interpreter would run it, then end the process with its exit status (rankrun.torchrun_coverage
+    calls it at the end of its sitecustomize, once the site is set up)."""
+    import __main__
+    import atexit
+    import sys
+
+    script = os.path.abspath(sys.argv[0])  # as the interpreter names it (__file__, tracebacks)
+    sys.path.insert(0, os.path.dirname(path))  # the script's directory, symbolic links resolved
+    __main__.__file__ = script
+    __main__.__cached__ = None
+    __main__.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+    status = 0
+    try:
+        with open(script, "rb") as source:
+            code = compile(source.read(), script, "exec")  # _compile: with the probes
+        exec(code, __main__.__dict__)
+    except SystemExit as stop:
+        if stop.code is None:
+            status = 0
+        elif isinstance(stop.code, int):
+            status = stop.code
+        else:
+            print(stop.code, file=sys.stderr)
+            status = 1
+    except BaseException as error:  # as the interpreter reports it, without this function's frame
+        error = error.with_traceback(error.__traceback__.tb_next)
+        sys.excepthook(type(error), error, error.__traceback__)
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 
 
 def lines() -> dict[str, list[int]]:

@@ -22,10 +22,10 @@ SITECUSTOMIZE = '''
 import os
 def _measure():
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
+        return None
     from rankrun import snippet_coverage
     if not snippet_coverage.measured_here():
-        return
+        return None
     from rankrun import line_probes
     line_probes.start(os.environ["RANKRUN_SNIPPETS"])
     saved = []
@@ -41,8 +41,15 @@ def _measure():
         save()
         leave(code)
     os._exit = save_and_leave
-_measure()
-''' + SITECUSTOMIZE_CHAIN
+    return line_probes.measured_script()
+_script = _measure()
+''' + SITECUSTOMIZE_CHAIN + '''
+# Last, once the site is set up: the interpreter would compile the rank's script itself, without
+# the probes, so it runs here instead (rankrun.line_probes.run_script) and the process ends with it.
+if _script is not None:
+    from rankrun import line_probes
+    line_probes.run_script(_script)
+'''
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:

@@ -5,7 +5,8 @@ every file under snippets/ is a line a probe records; a file of every construct 
 tested without a match, a bare except, finally, with, generators, comprehensions, lambdas, a dead
 function) records exactly the lines coverage.py's tracer records, prints the same and shows the
 same traceback; a sibling module is measured when imported, also from a .pyc, and no .pyc is
-written with probes in it."""
+written with probes in it; the script of a rank that torchrun started (`python script.py`, which
+the interpreter compiles itself) is measured too, and prints, fails and exits as without probes."""
 
 import ast
 import json
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import coverage
 
-from rankrun import line_probes
+from rankrun import line_probes, torchrun_coverage
 from rankrun.project import ROOT, SNIPPETS
+from rankrun.runner import STACKS_AT_ABORT
 
 CASES = Path(__file__).resolve().parent / "cases"
 CONSTRUCTS = CASES / "line_probe_constructs.py"
@@ -115,3 +117,53 @@ def test_a_sibling_module_is_measured_also_from_a_pyc_and_no_pyc_is_written(tmp_
     assert printed == "4\n"
     assert lines == {str((root / "helper.py").resolve()): [1, 2, 5], str((root / "main.py").resolve()): [1, 3]}
     assert compiled.read_bytes() == before and os.listdir(compiled.parent) == [compiled.name]
+
+
+RAISES = """import pickle
+import sys
+
+
+class Kept:
+    pass
+
+
+def main():
+    print(__name__, __file__, sys.path[0] == __file__.rsplit("/", 1)[0])
+    print(type(pickle.loads(pickle.dumps(Kept()))).__module__)
+    raise ValueError("the script's own failure")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_the_script_of_a_torchrun_rank_is_measured_and_runs_as_without_probes(tmp_path):
+    """torchrun starts each rank as `python -u script.py`: the interpreter compiles that file
+    itself, so torchrun_coverage's sitecustomize runs it with the probes (line_probes.run_script)."""
+    root = tmp_path / "snippets"
+    root.mkdir()
+    shutil.copy(CONSTRUCTS, root / CONSTRUCTS.name)
+    (root / "raises.py").write_text(RAISES)
+    data = tmp_path / "coverage"
+    data.mkdir()
+    # as rankrun.runner.run_torchrun has it: the stacks-at-abort sitecustomize, then coverage's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STACKS_AT_ABORT), str(ROOT)])}
+    env.update(torchrun_coverage.environment(env))
+    rank = {**env, "RANKRUN_SNIPPETS": str(root), "SNIPPET_COVERAGE_DATA": str(data / "data"),
+            "TORCHELASTIC_RUN_ID": "run", "RANK": "0"}
+    _, probed = run("probes", root, root / CONSTRUCTS.name)
+    for name in (CONSTRUCTS.name, "raises.py"):
+        command = [sys.executable, "-u", f"snippets/{name}"]
+        plain = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        measured = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=rank)
+        assert (measured.returncode, measured.stdout, measured.stderr) == (
+            plain.returncode, plain.stdout, plain.stderr)
+    assert plain.returncode == 1 and plain.stdout.splitlines()[1] == "__main__", plain.stdout
+    assert plain.stderr.endswith("ValueError: the script's own failure\n"), plain.stderr
+    seen = {}
+    for written in (data / "seen").glob("*.json"):
+        seen.update(json.loads(written.read_text()))
+    constructs, raises = str((root / CONSTRUCTS.name).resolve()), str((root / "raises.py").resolve())
+    assert seen[constructs] == probed[constructs]
+    assert seen[raises] == [1, 2, 5, 6, 9, 10, 11, 12, 15, 16]
