@@ -7,6 +7,7 @@ belong here, never in a timed test.
     .venv/bin/python benchmarks/suite_floor.py --only changed       # the edit loop
     .venv/bin/python benchmarks/suite_floor.py --only suite         # whole suite, 20 slowest by cause
     .venv/bin/python benchmarks/suite_floor.py --only second-pass   # .ci/run's ATEN_CPU_CAPABILITY=default pass
+    .venv/bin/python benchmarks/suite_floor.py --only gate tests/pipeline tests/zero3   # the coverage gate's cost
     .venv/bin/python benchmarks/suite_floor.py                      # all four, in that order
 
 1. Start-up, the fixed costs every command pays before a test runs: the environment check of
@@ -32,6 +33,12 @@ belong here, never in a timed test.
 4. `.ci/run`'s second pass: the tests that compare numbers, under ATEN_CPU_CAPABILITY=default.
    The fresh-clone `.ci/run` (target <= 12 min) is this pass + the suite + the install (about
    160 s on 2 idle cores): not run here, since it reinstalls everything.
+
+5. The snippet-coverage gate's cost (`--only gate`, not in the default run): each selection given
+   (say tests/pipeline, then tests/zero3) runs with `--snippet-coverage` and with
+   `--no-snippet-coverage`, alternating, `--repeat` times each, and prints the CPU of each (user +
+   sys of the whole process tree) and the gate's share; the load average is printed with each, so
+   that the ratio of two runs made back to back can be read against it.
 
 Do not run 3 or 4 on a machine that others load: they take every core for minutes.
 """
@@ -345,9 +352,35 @@ def zygote_import_cpu() -> float:
     return cpu if done.returncode == 0 else 0.0
 
 
+# --- 5. the snippet-coverage gate's cost ----------------------------------------------------
+
+def gate_cost(selections: list[str], repeat: int) -> None:
+    for selection in selections:
+        cpu: dict[str, list[float]] = defaultdict(list)
+        for attempt in range(repeat):
+            for gate in ("--snippet-coverage", "--no-snippet-coverage"):
+                before = load()
+                wall, seconds, done = timed([sys.executable, "tasks.py", "test", gate, "-q", "-p", "no:cacheprovider",
+                                             selection])
+                cpu[gate].append(seconds)
+                summary = SUMMARY.search(done.stdout)
+                traced = re.search(r"measured in \d+ of \d+ runs", done.stdout)
+                figure(f"{selection} {gate} ({attempt + 1} of {repeat})", wall, seconds, before,
+                       note=f"; {summary.group(1) if summary else 'no summary'}"
+                            + (f"; {traced.group(0)}" if traced else ""))
+                failed(done)
+        on, off = cpu["--snippet-coverage"], cpu["--no-snippet-coverage"]
+        pairs = ", ".join(f"{a / b - 1:+.1%}" for a, b in zip(on, off))
+        print(f"{selection}: the gate adds {sum(on) / sum(off) - 1:+.1%} CPU (on {sum(on):.1f} s, off {sum(off):.1f} s; "
+              f"each pair run back to back: {pairs}); target <= +5%")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["startup", "changed", "suite", "second-pass"])
+    parser.add_argument("--only", choices=["startup", "changed", "suite", "second-pass", "gate"])
+    parser.add_argument("selections", nargs="*", default=["tests/pipeline", "tests/zero3"],
+                        help="with --only gate: the test paths to measure, each on its own")
+    parser.add_argument("--repeat", type=int, default=2, help="with --only gate: runs with and without the gate")
     parser.add_argument("--page", type=Path, default=Path("docs/zero3/external-parameters.md"))
     parser.add_argument("--snippet", type=Path, default=Path("snippets/zero3/module_z3.py"))
     parser.add_argument("--checkout", type=Path, default=None,
@@ -360,6 +393,9 @@ def main() -> int:
         # that checkout's tasks.py gives its children its own .venv's variables
         ENVIRONMENT = {key: value for key, value in os.environ.items() if key != "TORCH_EXTENSIONS_DIR"}
     print(f"{os.cpu_count()} CPUs; {load()}")
+    if args.only == "gate":
+        gate_cost(args.selections, args.repeat)
+        return 0
     if args.only in (None, "startup"):
         startup()
     if args.only in (None, "changed"):

@@ -36,8 +36,10 @@ The modules, by what they are:
     shards.py            the suite in N shards by recorded durations (the hosted CI's matrix)
     coverage_gate.py     pytest plugin: the session fails unless every line under `snippets/`
                          ran in some rank
-    snippet_coverage.py  which runs the gate traces (only those that can still add a line), the
+    snippet_coverage.py  which runs the gate measures (only those that can still add a line), the
                          lines they saw; the verdict on the union of the shards' lines
+    line_probes.py       how a rank measures them: the snippet files compiled with a probe
+                         before each statement (no tracer)
     torchrun_coverage.py the same coverage inside the ranks of a real `torchrun`
     site_build.py        the session's one strict build of the site, shared by the site tests
     pages.py             where the examples are: snippet files, output files, the pages'

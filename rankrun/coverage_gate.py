@@ -115,11 +115,11 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def traced_runs(config) -> str:
-    """What the gate cost: how many runs were traced, and how many not."""
+def measured_runs(config) -> str:
+    """What the gate cost: how many runs were measured, and how many not."""
     decisions = snippet_coverage.decisions()
-    traced = sum(1 for d in decisions if d["ranks"] != "none")
-    return (f"measured in {traced} of {len(decisions)} runs; {len(decisions) - traced} not traced: every line "
+    measured = sum(1 for d in decisions if d["ranks"] != "none")
+    return (f"measured in {measured} of {len(decisions)} runs; {len(decisions) - measured} not measured: every line "
             f"of their files already seen")
 
 
@@ -127,18 +127,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     kept = config.getoption("snippet_coverage_data")
     if kept and not hasattr(config, "workerinput"):
         terminalreporter.write_line(f"snippet coverage: lines seen kept in {kept} for the verdict on the union "
-                                    f"(python -m rankrun.snippet_coverage); {traced_runs(config)}")
+                                    f"(python -m rankrun.snippet_coverage); {measured_runs(config)}")
         return
     missing = getattr(config, "snippet_coverage_missing", None)
     if missing is None:
         return
     if not missing:
         terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank; "
-                                    + traced_runs(config)
+                                    + measured_runs(config)
                                     + "".join(f"; not measured: {path} ({why})" for path, why in NOT_MEASURED.items()))
         return
     terminalreporter.write_sep("=", "snippet coverage gate failed", red=True)
-    terminalreporter.write_line(f"snippet coverage: {traced_runs(config)}")
+    terminalreporter.write_line(f"snippet coverage: {measured_runs(config)}")
     for path, lines in missing.items():
         terminalreporter.write_line(f"{path}: lines never run in any rank: {', '.join(map(str, lines))}")
 

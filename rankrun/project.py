@@ -43,11 +43,17 @@ def without_addresses(text: str) -> str:
 
 # The end of a `sitecustomize.py` put first on PYTHONPATH to observe the processes of a run (the
 # notebook hook's reads log, coverage in torchrun's ranks): go on to the sitecustomize it shadows.
+# Each one chained to is left out of the next search, not only the current one: with two of them
+# on PYTHONPATH (torchrun's stacks at abort and its coverage), the second would find the first
+# again, without end.
 SITECUSTOMIZE_CHAIN = '''
 import importlib.machinery, importlib.util, os, sys
 _here = os.path.dirname(os.path.abspath(__file__))
+if not hasattr(sys, "_rankrun_sitecustomized"):
+    sys._rankrun_sitecustomized = set()
+sys._rankrun_sitecustomized.add(_here)
 _spec = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") not in sys._rankrun_sitecustomized])
 if _spec is not None and _spec.loader is not None:
     _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
 '''

@@ -348,23 +348,20 @@ def zygote(control_fd: int) -> int:
 
 
 def measured_run(snippet: str, report_file: str, function: str = "") -> int:
-    """run_one, under coverage when the runner asks this rank for it (rankrun.snippet_coverage:
-    SNIPPET_COVERAGE_RANKS in the job's environment); the lines it ran are written for the gate."""
-    from rankrun import snippet_coverage
+    """run_one, measuring which lines of the snippet files it runs when the runner asks this rank
+    for it (rankrun.snippet_coverage: SNIPPET_COVERAGE_RANKS in the job's environment): the files
+    are compiled with line probes (rankrun.line_probes), and the lines they recorded are written
+    for the gate."""
+    from rankrun import line_probes, snippet_coverage
 
-    if not snippet_coverage.traced_here():
+    if not snippet_coverage.measured_here():
         return run_one(snippet, report_file, function)
-    import coverage
-
-    measured = coverage.Coverage(data_file=None, config_file=False,
-                                 include=[os.path.join(PROJECT, "snippets", "*")])
-    measured.start()
+    line_probes.start(os.path.join(PROJECT, "snippets"))
     try:
         return run_one(snippet, report_file, function)
     finally:
-        measured.stop()
         # Before the rank answers: after a failure the pool is killed.
-        snippet_coverage.record_seen(snippet_coverage.lines_of(measured))
+        snippet_coverage.record_seen(line_probes.lines())
 
 
 def main() -> int:

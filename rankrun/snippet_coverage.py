@@ -1,23 +1,25 @@
 """Which runs measure snippet coverage, and what they saw: every line under snippets/ measured in
-as few runs as the gate (rankrun/coverage_gate.py) needs, with the same verdict as tracing every
-rank of every run.
+as few runs as the gate (rankrun/coverage_gate.py) needs, with the same verdict as measuring
+every rank of every run.
 
-Tracing costs a traced rank about 40% more CPU (every Python call in torch and DeepSpeed goes
-through the tracer), so a run is traced only while it can still add a line:
+A measured rank compiles its snippet files with line probes (rankrun.line_probes): a few
+milliseconds, and nothing in torch's or DeepSpeed's code, where coverage.py's tracer had cost a
+rank 30 to 60% more CPU. A run is measured only while it can still add a line:
 
 - A run's files: its snippet, the snippet modules it imports from its own directory (and theirs),
   and the snippet files it names in a string (gather_timeline.py loads "language_model.py" with
   runpy).
-- While one of those files has a line that no traced rank has run in this session, the run is
-  traced on every rank, and each rank writes the lines it ran (`seen/`), which every later decision
-  reads. Once every line of them has been seen, no later run can add one: it is not traced.
+- While one of those files has a line that no measured rank has run in this session, the run is
+  measured on every rank, and each rank writes the lines it ran (`seen/`), which every later
+  decision reads. Once every line of them has been seen, no later run can add one: it is not
+  measured.
 
 So a line that no rank of any run executed still fails the gate, and a line some rank executed
-passes it. (Tracing fewer ranks, or skipping a run of an example at another rank count, would need
-the gate to make runs again at the end to stay exact; measured on the pipeline examples, that cost
-more than it saved.) The layout, in the directory of SNIPPET_COVERAGE_DATA (the session's):
-`seen/*.json` ({file: [lines]} per traced rank), `decisions.jsonl` (one line per run: traced or
-not), for the summary.
+passes it. The lines that count are coverage.py's statements of the file (`statements`), less the
+exclusions; the probes record each as coverage.py's line tracer would (rankrun.line_probes). The
+layout, in the directory of SNIPPET_COVERAGE_DATA (the session's):
+`seen/*.json` ({file: [lines]} per measured rank), `decisions.jsonl` (one line per run: measured
+or not), for the summary.
 
 A part of the suite (a shard of the hosted CI, `--snippet-coverage-data DIR`) decides the same way
 within itself and keeps what it saw in DIR; `python -m rankrun.snippet_coverage DIR [DIR ...]`
@@ -37,7 +39,7 @@ from pathlib import Path
 from rankrun.project import ROOT, SNIPPETS
 
 DATA = "SNIPPET_COVERAGE_DATA"
-# In a rank's environment: the ranks to trace, "all" or comma-separated ranks; unset, none.
+# In a rank's environment: the ranks to measure, "all" or comma-separated ranks; unset, none.
 RANKS = "SNIPPET_COVERAGE_RANKS"
 # A line excluded from the gate besides `# pragma: no cover`: after the line that raises, in an
 # example that demonstrates a failure.
@@ -62,25 +64,19 @@ def directory() -> Path | None:
     return Path(data).parent if data else None
 
 
-def traced_here() -> bool:
-    """Whether this rank traces its snippet (rankrun/rank_main.py asks, with RANK in its environment)."""
+def measured_here() -> bool:
+    """Whether this rank measures its snippet (rankrun/rank_main.py asks, with RANK in its environment)."""
     chosen = os.environ.get(RANKS, "")
     return bool(os.environ.get(DATA)) and (chosen == "all" or os.environ.get("RANK", "0") in chosen.split(","))
 
 
 def record_seen(lines: dict[str, list[int]]) -> None:
-    """A traced rank's lines, {file: [line numbers]}, for the decisions of every later run."""
+    """A measured rank's lines, {file: [line numbers]}, for the decisions of every later run."""
     seen = directory() / "seen"
     seen.mkdir(exist_ok=True)
     partial = seen / f".{os.getpid()}.{os.urandom(4).hex()}"
     partial.write_text(json.dumps(lines))
     partial.rename(seen / f"{partial.name[1:]}.json")  # whole files only, for a reader in another process
-
-
-def lines_of(measured) -> dict[str, list[int]]:
-    """What a stopped coverage.Coverage measured: {file: sorted line numbers}."""
-    data = measured.get_data()
-    return {path: sorted(data.lines(path) or ()) for path in data.measured_files()}
 
 
 # --- statements, and the files a run can execute -----------------------------------------------
@@ -127,7 +123,7 @@ def files_of(path: str) -> frozenset[str]:
 
 
 class Seen:
-    """The lines traced ranks ran in this session, read incrementally from `seen/`."""
+    """The lines measured ranks ran in this session, read incrementally from `seen/`."""
 
     def __init__(self):
         self.read: set[str] = set()
@@ -161,7 +157,7 @@ def _measured() -> frozenset[str]:
 
 
 def ranks_to_trace(snippet: Path, world_size: int) -> str:
-    """The ranks to trace, as RANKS takes them: "all" while a file of the run has a line not yet
+    """The ranks to measure, as RANKS takes them: "all" while a file of the run has a line not yet
     seen, else "" (see the module docstring)."""
     return "all" if _SEEN.unseen(files_of(str(snippet)) & _measured()) else ""
 
@@ -178,7 +174,7 @@ def log_decision(snippet: Path, world_size: int, ranks: str, kind: str) -> None:
 
 
 def missing(paths) -> dict[str, set[int]]:
-    """{file: lines no traced rank ran}, for the files given (absolute paths)."""
+    """{file: lines no measured rank ran}, for the files given (absolute paths)."""
     return Seen().unseen(paths)
 
 

@@ -1,11 +1,12 @@
 """Snippet line coverage inside the ranks of a real `torchrun` run, for the examples whose
 documented run is the torchrun command itself (rankrun.pages.RUN_BY_TORCHRUN): the command
-stays the documented one; a `sitecustomize` on PYTHONPATH starts coverage in each rank that
-torchrun started (TORCHELASTIC_RUN_ID is set there, not in the launcher, and an example that
-starts interpreters of its own without torchrun's variables measures nothing in them), with
-the include pattern of the warm ranks (rankrun/rank_main.py), and writes the lines it ran for the
-gate (rankrun.snippet_coverage) at exit, and before `os._exit`, with which the examples end. The
-runner adds it only while the example still has a line no traced rank ran.
+stays the documented one; a `sitecustomize` on PYTHONPATH starts the line probes
+(rankrun.line_probes) in each rank that torchrun started (TORCHELASTIC_RUN_ID is set there, not in
+the launcher, and an example that starts interpreters of its own without torchrun's variables
+measures nothing in them), on the directory the warm ranks measure (rankrun/rank_main.py), and
+writes the lines they recorded for the gate (rankrun.snippet_coverage) at exit, and before
+`os._exit`, with which the examples end. The
+runner adds it only while the example still has a line no measured rank ran.
 """
 
 from __future__ import annotations
@@ -21,20 +22,17 @@ SITECUSTOMIZE = '''
 import os
 def _measure():
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
-        return
+        return None
     from rankrun import snippet_coverage
-    if not snippet_coverage.traced_here():
-        return
-    import coverage
-    measured = coverage.Coverage(data_file=None, config_file=False,
-                                 include=[os.path.join(os.environ["RANKRUN_SNIPPETS"], "*")])
-    measured.start()
+    if not snippet_coverage.measured_here():
+        return None
+    from rankrun import line_probes
+    line_probes.start(os.environ["RANKRUN_SNIPPETS"])
     saved = []
     def save():
         if not saved:
             saved.append(True)
-            measured.stop()
-            snippet_coverage.record_seen(snippet_coverage.lines_of(measured))
+            snippet_coverage.record_seen(line_probes.lines())
     import atexit
     atexit.register(save)
     # The examples end with os._exit (docs/versions.md, "An abort at exit"), which skips atexit.
@@ -43,8 +41,15 @@ def _measure():
         save()
         leave(code)
     os._exit = save_and_leave
-_measure()
-''' + SITECUSTOMIZE_CHAIN
+    return line_probes.measured_script()
+_script = _measure()
+''' + SITECUSTOMIZE_CHAIN + '''
+# Last, once the site is set up: the interpreter would compile the rank's script itself, without
+# the probes, so it runs here instead (rankrun.line_probes.run_script) and the process ends with it.
+if _script is not None:
+    from rankrun import line_probes
+    line_probes.run_script(_script)
+'''
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:

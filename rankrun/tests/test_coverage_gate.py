@@ -2,7 +2,7 @@
 example only in the runs that can still add a line, and still fails on a line that no rank of any
 run reached, and only on such a line: lines only rank 1 runs, only a 4-rank run runs, only a middle
 rank of a 4-rank run runs, only a failing run reaches, or only an imported module runs on rank 1
-all pass; the runs after every line of their files was seen are not traced."""
+all pass; the runs after every line of their files was seen are not measured."""
 
 import os
 import re
@@ -145,7 +145,7 @@ def session(tmp_path, env, *args):
 MISSING = re.compile(r"^(snippets/\S+): lines never run in any rank: (.*)$", re.M)
 
 
-def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(tmp_path):
+def test_the_gate_fails_on_a_dead_line_only_and_measures_only_what_can_add_a_line(tmp_path):
     env = demo_project(tmp_path)
     done = session(tmp_path, env, "--snippet-coverage")
     report = done.stdout + done.stderr
@@ -154,10 +154,10 @@ def test_the_gate_fails_on_a_dead_line_only_and_traces_only_what_can_add_a_line(
     missing = MISSING.findall(report)
     # dead.py's line 2 (the body of never_called) and nothing else: every other line ran in some rank
     assert missing == [("snippets/demo/dead.py", "2")], report
-    # 8 runs. Traced: everywhere on 2 ranks, then on 4 with another environment (its 4-rank and
+    # 8 runs. Measured: everywhere on 2 ranks, then on 4 with another environment (its 4-rank and
     # middle-rank lines still unseen), plain's first run, failing, dead.py's (its dead line is never
-    # seen). Not traced: everywhere on 4 ranks, plain's second and third: every line already seen.
-    assert ("snippet coverage: measured in 5 of 8 runs; 3 not traced: every line of their files already "
+    # seen). Not measured: everywhere on 4 ranks, plain's second and third: every line already seen.
+    assert ("snippet coverage: measured in 5 of 8 runs; 3 not measured: every line of their files already "
             "seen") in report, report
 
 
@@ -177,7 +177,7 @@ def test_parts_of_the_suite_are_judged_on_their_union(tmp_path):
     union = verdict(tmp_path / "one", tmp_path / "two")
     assert union.returncode == 1 and MISSING.findall(union.stdout) == [("snippets/demo/dead.py", "2")], union.stdout
     # part one alone: the 4-rank lines and failing.py (part two's runs) are missing; the line only
-    # rank 1 runs (and helper.py's, called there) is not: every rank of that run was traced
+    # rank 1 runs (and helper.py's, called there) is not: every rank of that run was measured
     alone = verdict(tmp_path / "one")
     assert dict(MISSING.findall(alone.stdout)) == {
         "snippets/demo/dead.py": "2", "snippets/demo/everywhere.py": "14, 16",
