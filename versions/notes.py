@@ -219,8 +219,9 @@ def render_example_note(data: dict, config: dict, path: str) -> str:
         for change in changes_of(data, config, command):
             lines.append(change_line(change))
     lines += package_lines(data, config, path)
-    head = (f'!!! note "Other DeepSpeed releases"\n    This example also ran on DeepSpeed '
-            f"{', '.join(sorted(others, key=release_key)) or '(none yet)'} "
+    ran_on = (f"This example also ran on DeepSpeed {', '.join(sorted(others, key=release_key))}"
+              if others else f"This example ran on DeepSpeed {pinned} only")
+    head = (f'!!! note "Other DeepSpeed releases"\n    {ran_on} '
             f"([DeepSpeed versions](../versions.md)).")
     if package_runs(data, path):
         head += " It also ran with other versions of the packages named in bold (installed over the release's environment)."
