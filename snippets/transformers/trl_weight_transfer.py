@@ -3,14 +3,18 @@ hands the trained weights to vLLM (read the gathered state dict, no forward in t
 with gradient accumulation: 2 micro-steps per optimizer step, a transfer before each
 micro-step, so one in two comes after a micro-step that took no optimizer step.
 The helper is given the model inside the engine (GRPOTrainer before TRL 0.16.0), the engine
-(since), or the model inside after emptying ds_active_sub_modules by hand (TRL issue #2840).
+(since), or the model inside after emptying ds_active_sub_modules by hand (TRL issue #2840);
+and, given the model inside: with generate() in the block too, and without accumulation but
+with a checkpoint save and an evaluation forward after every step.
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/trl_weight_transfer.py
 On GPUs, drop DS_ACCELERATOR=cpu.
 """
 import os
+import shutil
 import sys
+import tempfile
 
 import accelerate
 import deepspeed
@@ -51,11 +55,31 @@ def held(model):
     return sorted(name for name, p in model.named_parameters() if p.ds_active_sub_modules)
 
 
-def train(give_engine, empty_first=False):
+def shared_directory():
+    """A temporary directory made on rank 0, its path given to every rank."""
+    path = [tempfile.mkdtemp(prefix="checkpoints-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(path)
+    return path[0]
+
+
+def save_and_evaluate(engine, accelerator, tokens, directory):
+    """What Trainer does between steps: save a checkpoint (the engine's, and the 16-bit
+    weights that save_model gathers) and run an evaluation forward."""
+    engine.save_checkpoint(directory)
+    accelerator.get_state_dict(engine)
+    engine.eval()
+    with torch.no_grad():
+        engine(tokens)
+    engine.train()
+
+
+def train(give_engine=False, empty_first=False, generate_in_block=False,
+          accumulation=ACCUMULATION, between_steps=False):
     rank = torch.distributed.get_rank()
     config = {"train_micro_batch_size_per_gpu": BATCH,
-              "gradient_accumulation_steps": ACCUMULATION,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "gradient_accumulation_steps": accumulation,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": True},
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
     accelerator = cpu_accelerator(config)
     model = tiny_llama()
@@ -63,44 +87,58 @@ def train(give_engine, empty_first=False):
     engine, optimizer = accelerator.prepare(model, optimizer)  # a DeepSpeedEngine, partitioned
     record = {"transferred": [], "held_after_backward": [], "held_after_step": [],
               "error": None}
+    directory = shared_directory() if between_steps else None
     try:
         for micro_step in range(MICRO_STEPS):
             # --8<-- [start:step]
             if empty_first:  # TRL issue #2840's workaround
                 for param in engine.module.parameters():
                     param.ds_active_sub_modules.clear()
+            tokens = batch(micro_step, rank).to(engine.device)
             helper_gets = engine if give_engine else engine.module
             with unwrap_model_for_generation(helper_gets, accelerator) as unwrapped:
-                # what GRPOTrainer hands to vLLM: every weight whole, no forward
+                # what GRPOTrainer hands to vLLM: every weight whole
                 weights = {name: w.clone() for name, w in unwrapped.state_dict().items()}
-            tokens = batch(micro_step, rank).to(engine.device)
+                if generate_in_block:  # the helper's other use: sampling from the model
+                    unwrapped.generate(tokens[:, :2], max_new_tokens=2, pad_token_id=0)
             loss = engine(tokens, labels=tokens).loss
             engine.backward(loss)
-            record["held_after_backward"].append(held(engine.module))
+            record["held_after_backward"].append(held(engine.module))  # printed below
             engine.step()  # an optimizer step every ACCUMULATION micro-steps
             # --8<-- [end:step]
+            if between_steps:
+                save_and_evaluate(engine, accelerator, tokens, directory)
             record["held_after_step"].append(held(engine.module))
             record["transferred"].append(weights)
     except (AssertionError, RuntimeError) as error:  # pragma: no cover (other releases)
         record["error"] = f"{type(error).__name__}: {error}"
     del accelerator
     AcceleratorState._reset_state(reset_partial_state=True)
+    if directory and rank == 0:
+        shutil.rmtree(directory)
     return record
 
 
-CASES = {"engine.module": (False, False), "engine": (True, False),
-         "engine.module, emptied first": (False, True)}
+CASES = {"engine.module": {}, "engine": {"give_engine": True},
+         "engine.module, emptied first": {"empty_first": True},
+         "engine.module, generate() in the block": {"generate_in_block": True},
+         "engine.module, no accumulation, save and evaluation between steps":
+             {"accumulation": 1, "between_steps": True}}
 
 
 def main():
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     say = print if torch.distributed.get_rank() == 0 else (lambda *args: None)
     results = {}
-    for case, (give_engine, empty_first) in CASES.items():
-        results[case] = record = train(give_engine, empty_first)
+    for case, options in CASES.items():
+        results[case] = record = train(**options)
         say(f"unwrap_model_for_generation({case}): "
             f"{len(record['transferred'])} of {MICRO_STEPS} weight transfers"
             + (f", then {record['error']}" if record["error"] else ""))
+        for micro_step in range(2 if case == "engine" else 0):  # the two micro-steps of a step
+            say(f"  still held after micro-step {micro_step}'s backward: "
+                f"{record['held_after_backward'][micro_step]}, "
+                f"after its step: {record['held_after_step'][micro_step]}")
     torch.distributed.destroy_process_group()
     return results
 

@@ -36,10 +36,10 @@ RAISED = {
 }
 
 
-def one_process(world_size):
+def one_process(world_size, accumulation):
     """The weights before each micro-step of the same training in one process: every rank's
     batch, the losses averaged over ranks and divided by the accumulation, one SGD step every
-    ACCUMULATION micro-steps (what DeepSpeed does with the ranks' gradients)."""
+    `accumulation` micro-steps (what DeepSpeed does with the ranks' gradients)."""
     model = EXAMPLE["tiny_llama"]()
     optimizer = torch.optim.SGD(model.parameters(), lr=EXAMPLE["LR"])
     weights = []
@@ -47,8 +47,8 @@ def one_process(world_size):
         weights.append({name: w.clone() for name, w in model.state_dict().items()})
         losses = [model(tokens, labels=tokens).loss
                   for tokens in (EXAMPLE["batch"](micro_step, rank) for rank in range(world_size))]
-        (sum(losses) / world_size / EXAMPLE["ACCUMULATION"]).backward()
-        if (micro_step + 1) % EXAMPLE["ACCUMULATION"] == 0:
+        (sum(losses) / world_size / accumulation).backward()
+        if (micro_step + 1) % accumulation == 0:
             optimizer.step()
             optimizer.zero_grad()
     return weights
@@ -57,7 +57,7 @@ def one_process(world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_transfer_reads_the_trained_weights_and_nothing_stays_held(world_size, expect_output):
     result = run_snippet(SNIPPET, world_size, call="main", timeout=TIMEOUT).check()
-    want = one_process(world_size)
+    want = {accumulation: one_process(world_size, accumulation) for accumulation in (1, EXAMPLE["ACCUMULATION"])}
     for rank in range(world_size):
         returned = result.returned(rank)
         assert list(returned) == list(EXAMPLE["CASES"])
@@ -68,11 +68,13 @@ def test_every_transfer_reads_the_trained_weights_and_nothing_stays_held(world_s
             # DeepSpeed 0.19.8 releases what a module held at the end of every backward
             assert record["held_after_backward"] == [[]] * EXAMPLE["MICRO_STEPS"], label
             assert record["held_after_step"] == [[]] * EXAMPLE["MICRO_STEPS"], label
+            accumulation = EXAMPLE["CASES"][case].get("accumulation", EXAMPLE["ACCUMULATION"])
             for micro_step, weights in enumerate(record["transferred"]):
-                assert_matches(weights, want[micro_step], f"{label}, transfer {micro_step}")
-    # the weights change between optimizer steps, not between the micro-steps of one
-    assert not torch.equal(want[0]["lm_head.weight"], want[2]["lm_head.weight"])
-    assert torch.equal(want[0]["lm_head.weight"], want[1]["lm_head.weight"])
+                assert_matches(weights, want[accumulation][micro_step], f"{label}, transfer {micro_step}")
+    # with accumulation, the weights change between optimizer steps, not within one
+    accumulated = want[EXAMPLE["ACCUMULATION"]]
+    assert not torch.equal(accumulated[0]["lm_head.weight"], accumulated[2]["lm_head.weight"])
+    assert torch.equal(accumulated[0]["lm_head.weight"], accumulated[1]["lm_head.weight"])
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
 
