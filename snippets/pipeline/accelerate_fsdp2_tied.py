@@ -77,21 +77,27 @@ def groups(model):
 
 
 # --8<-- [start:train]
+def train_steps(accelerator, model, optimizer):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        # data parallel: this rank's share, on the device prepare() put the model on
+        tokens = batch(step)[rank::world].to(accelerator.device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    return losses
+
+
 def train_and_reload():
     accelerator = fsdp2_accelerator()
     torch.manual_seed(SEED)
     model = transformers.LlamaForCausalLM(tiny_llama())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(STEPS):
-        tokens = batch(step)[rank::world]  # data parallel: this rank's share
-        loss = model(input_ids=tokens, labels=tokens).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(accelerator.reduce(loss.detach(), "mean").item())
+    losses = train_steps(accelerator, model, optimizer)
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     tie = {"one Parameter": head is embed,
            "max |embed - head|": (embed.full_tensor() - head.full_tensor()).abs().max().item()}
@@ -111,8 +117,17 @@ def train_and_reload():
         shutil.rmtree(where)
         reloaded["tied"] = plain.lm_head.weight is plain.model.embed_tokens.weight
         reloaded["weights"] = {n: p.detach() for n, p in plain.named_parameters()}
-    return {"losses": losses, "tie": tie, "groups": groups(model), "reloaded": reloaded}
+    return {"losses": losses, "tie": tie, "groups": groups(model), "reloaded": reloaded,
+            "after prepare": after_prepare(accelerator, model)}
 # --8<-- [end:train]
+
+
+def after_prepare(accelerator, model):
+    """Why the example gathers with get_model_state_dict itself on CPU: what the
+    accelerator reports after prepare(), and what its get_state_dict returns."""
+    state_dict = accelerator.get_state_dict(model)
+    return {"distributed type": str(accelerator.distributed_type),
+            "get_state_dict tensors": sorted({type(t).__name__ for t in state_dict.values()})}
 
 
 # --8<-- [start:checkpoint]
@@ -137,9 +152,11 @@ def both_weights_in_the_file(untie_config=False):
         shutil.rmtree(where[0])
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
-        return {"tied when loaded": tied, "prepared": True}
     except (KeyError, ValueError) as error:
         return {"tied when loaded": tied, "prepared": f"{type(error).__name__}: {error}"}
+    losses = train_steps(accelerator, model, optimizer)  # two weights, as in the file
+    two = model.lm_head.weight is not model.model.embed_tokens.weight
+    return {"tied when loaded": tied, "prepared": True, "losses": losses, "two weights": two}
 # --8<-- [end:checkpoint]
 
 
@@ -178,7 +195,11 @@ def main():
         print("saved:", result["reloaded"]["saved"], "; reloaded with from_pretrained, "
               "lm_head.weight is embed_tokens.weight:", result["reloaded"]["tied"])
         for name, got in checkpoint.items():
-            print(f"both weights in the file, {name}: {got}")
+            shown = {key: got[key] for key in ("tied when loaded", "prepared")}
+            print(f"both weights in the file, {name}: {shown}")
+            if "losses" in got:
+                print(f"  trained: losses {' '.join(f'{x:.4f}' for x in got['losses'])}, "
+                      f"lm_head and embed_tokens two Parameters: {got['two weights']}")
         print("Trainer(fsdp=True):", trainer)
     dist.destroy_process_group()
     return {**result, "checkpoint": checkpoint, "trainer": trainer}

@@ -197,6 +197,11 @@ def train(placement, fused, config):
     except RuntimeError as error:
         record["error"] = f"RuntimeError: {error}"
     record["gathered by TRL"] = any(GATHERED_BY_TRL)
+    # Elements this rank holds in the parameters themselves now (a partitioned parameter
+    # holds none: its slice is elsewhere), and the model's elements.
+    params = list(engine.module.parameters())
+    record["held"] = sum(p.numel() for p in params)
+    record["elements"] = sum(p.ds_numel for p in params)
     return record
 
 

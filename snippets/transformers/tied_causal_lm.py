@@ -46,8 +46,9 @@ def token_dataset():
     return [{"input_ids": row, "labels": row} for row in tokens]
 
 
-def training_arguments(world_size, gather_on_save):
-    """The Transformers page's recipe (tiny_t5.py), with the gather setting as a choice."""
+def training_arguments(world_size, gather_on_save, default_threshold=False):
+    """The Transformers page's recipe (tiny_t5.py), with the gather setting as a choice, and
+    DeepSpeed's own stage3_param_persistence_threshold (1e5 elements) if asked."""
     # --8<-- [start:gather]
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
@@ -59,6 +60,8 @@ def training_arguments(world_size, gather_on_save):
         "zero_allow_untested_optimizer": True,
     }
     # --8<-- [end:gather]
+    if default_threshold:  # left out: small parameters stay whole
+        del ds_config["zero_optimization"]["stage3_param_persistence_threshold"]
     if get_accelerator().device_name() == "cpu":  # CPU only, as on the Transformers page
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         accelerate.PartialState(backend=get_accelerator().communication_backend_name())
@@ -124,8 +127,15 @@ def broken_ties(saved, warnings):
     results["save_file"] = error_text(
         lambda: safetensors.torch.save_file(model.state_dict(), path))
     safetensors.torch.save_model(model, path)  # the fix: one copy, one name kept
+    fresh = LlamaForCausalLM(model.config)  # other weights, tied by its config
+    safetensors.torch.load_model(fresh, path)  # fills both names from the one kept
     # --8<-- [end:save_file]
     results["save_model_keys"] = sorted(safetensors.torch.load_file(path))
+    results["load_model"] = {
+        "tied": fresh.lm_head.weight is fresh.get_input_embeddings().weight,
+        "weights equal the saved model's": all(
+            torch.equal(fresh.state_dict()[name], tensor)
+            for name, tensor in model.state_dict().items())}
     # --8<-- [start:untie]
     model = LlamaForCausalLM.from_pretrained(saved)
     # The reader gives the head its own copy to train it apart from the embedding...

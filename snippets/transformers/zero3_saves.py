@@ -66,8 +66,8 @@ def train(directory, world_size, gather_on_save, adapter):
 
 def trained_logits(trainer):
     """The trained model's logits (every rank: ZeRO-3 gathers the weights for the forward).
-    Called after the saves: after a forward in eval mode the weights stay gathered until the
-    next step, and a save then writes them whole (the row "after an evaluation")."""
+    Called after the saves: on the pinned stack the weights were still gathered after this
+    forward, and a plain save then wrote them whole (the row "after an evaluation")."""
     engine = trainer.model_wrapped
     engine.eval()
     inputs = torch.stack([example["input_ids"] for example in token_dataset()])

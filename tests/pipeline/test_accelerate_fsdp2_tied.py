@@ -19,12 +19,13 @@ MAPPING_ERROR = (
     "To fix, try: Set `model.config.tie_word_embeddings = False` after loading the model.\n")
 
 
-def train_in_one_process():
+def train_in_one_process(tie=True):
     """The same model, seed and batches, SGD, without FSDP: the ranks' shares are equal parts
-    of the batch, so the mean of their losses and gradients is the whole batch's."""
+    of the batch, so the mean of their losses and gradients is the whole batch's. Untied, it
+    is the checkpoint of the both-weights case as saved."""
     ex = example_namespace(SNIPPET)
     torch.manual_seed(ex["SEED"])
-    model = ex["transformers"].LlamaForCausalLM(ex["tiny_llama"]())
+    model = ex["transformers"].LlamaForCausalLM(ex["tiny_llama"](tie=tie))
     optimizer = torch.optim.SGD(model.parameters(), lr=ex["LR"])
     losses = []
     for step in range(ex["STEPS"]):
@@ -48,6 +49,10 @@ def test_the_tied_model_trains_like_one_process_and_reloads_tied(run, expect_out
         got = run.returned(rank)
         assert_matches(got["losses"], ref_losses, f"rank {rank} losses")
         assert got["tie"] == {"one Parameter": True, "max |embed - head|": 0.0}
+        # On CPU processes the accelerator says MULTI_CPU again after prepare(), and its
+        # get_state_dict returns the shards (DTensors): why the example gathers itself.
+        assert got["after prepare"] == {"distributed type": "DistributedType.MULTI_CPU",
+                                        "get_state_dict tensors": ["DTensor"]}
         # accelerate's default transformer-based wrap: a group per decoder layer, the tied
         # pair with the final norm in one group, the root holding nothing else.
         assert got["groups"] == [
@@ -72,12 +77,17 @@ LAYER_PARAMS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn
 
 
 def test_a_checkpoint_with_both_weights_under_a_tying_config(run):
+    ref_losses, _ = train_in_one_process(tie=False)
     for rank in range(run.world_size):
         checkpoint = run.returned(rank)["checkpoint"]
         # Transformers does not tie the two different weights it found in the file ...
         assert checkpoint["config ties"] == {"tied when loaded": False, "prepared": MAPPING_ERROR}
-        # ... and accelerate prepares the model once the config says the same.
-        assert checkpoint["config unties"] == {"tied when loaded": False, "prepared": True}
+        # ... and accelerate prepares the model once the config says the same; it then trains
+        # with its two weights like the untied model in one process.
+        untied = checkpoint["config unties"]
+        assert {key: untied[key] for key in ("tied when loaded", "prepared", "two weights")} == {
+            "tied when loaded": False, "prepared": True, "two weights": True}
+        assert_matches(untied["losses"], ref_losses, f"rank {rank} untied losses")
 
 
 def test_trainer_fsdp_on_cpu_processes_is_ddp(run):

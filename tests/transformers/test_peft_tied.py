@@ -95,6 +95,11 @@ def test_lora_on_tied_embeddings(world_size, reference, expect_output):
         saved = safetensors.torch.load_file(os.path.join(got[ensure]["adapter"], ADAPTER))
         assert sorted(saved) == got[ensure]["keys"] == sorted(want[ensure]["adapter"])
         assert_matches(saved, want[ensure]["adapter"], f"{label} adapter")
+        # Both names are in the file: one trained tensor's values with ensure_weight_tying,
+        # the two copies PEFT's default trains apart without it.
+        in_file = [saved[f"base_model.model.{name}.weight"]
+                   for name in ("model.embed_tokens", "lm_head")]
+        assert torch.equal(*in_file) is ensure, label
         # Merged in one process, the ZeRO-3 adapter gives the trained model's logits, and
         # those of the one-process adapter merged.
         assert_matches(got[ensure]["merged logits"], got[ensure]["logits"], f"{label} merged")

@@ -75,6 +75,8 @@ def test_save_model_then_from_pretrained_in_one_process(world_size, reference, e
     assert "[{'lm_head.weight', 'model.embed_tokens.weight'}]" in broken["save_file"]
     assert "lm_head.weight" in broken["save_model_keys"]
     assert "model.embed_tokens.weight" not in broken["save_model_keys"]
+    # safetensors.torch.load_model fills both names of a fresh tied model from that file.
+    assert broken["load_model"] == {"tied": True, "weights equal the saved model's": True}
     # A head untied by the reader's code is saved under both names and reloaded untied, with
     # a warning until the config says so.
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(broken["untied_keys"])

@@ -75,6 +75,7 @@ def test_checkpoints_reload_in_one_process(world_size, reference, expect_output)
             assert got["sixteen_bit"]["head.weight"].data_ptr() == got["sixteen_bit"]["embeddings.weight"].data_ptr()
             # The script's safetensors output refuses the shared storage.
             assert safe["code"] == 1 and safe["message"].startswith(SHARED_MESSAGE)
+            assert not [f for f in safe["files"] if f.endswith((".safetensors", ".bin"))]
         else:
             assert got["shared_in_state_dict"] == []
             assert safe["code"] == 0 and safe["files"] == ["model.safetensors"]
