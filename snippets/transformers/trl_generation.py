@@ -3,7 +3,9 @@ unwrap_model_for_generation, score them, and train on them (a policy-gradient lo
 group-normalized rewards, as GRPO computes it), three steps on a tiny tied Llama.
 The helper is given the DeepSpeed engine, as GRPOTrainer has since TRL 0.16.0, or the model
 inside it, as GRPOTrainer did before; the policy is the plain Llama, or one whose forward
-reads the head's weight itself (as TRL's GRPO loss with use_liger_kernel does).
+reads the head's weight itself (as TRL's GRPO loss with use_liger_kernel does). generate()
+is left to choose synced_gpus, or given synced_gpus=False (helper given the engine).
+model_inside_unsynced(): the model inside the engine with synced_gpus=False (it fails).
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/trl_generation.py
@@ -22,7 +24,9 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations import is_deepspeed_zero3_enabled
 from trl.models.utils import unwrap_model_for_generation
 
 VOCAB, PROMPT, NEW, GROUP, PROMPTS, STEPS, LR, SEED = 32, 3, 4, 4, 2, 3, 0.5, 0
@@ -68,12 +72,20 @@ def reward(completions):
     return (completions % 2 == 0).float().mean(dim=1)
 
 
-def sample(model, prompt_ids, step, rank):
+def sample(model, prompt_ids, step, rank, **kwargs):
+    """This rank's completions, and what generate() did: the forwards it ran, and how many
+    of the model's weights were still gathered (whole) on this rank when it returned."""
     torch.manual_seed(SEED + 100 * step + rank)  # each rank samples its own completions
     n = new_tokens(rank)
+    forwards = []
+    counter = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     output = model.generate(prompt_ids, do_sample=True, top_k=0, max_new_tokens=n,
-                            min_new_tokens=n, pad_token_id=0)
-    return output[:, PROMPT:]
+                            min_new_tokens=n, pad_token_id=0, **kwargs)
+    counter.remove()
+    whole = [getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
+             for p in model.parameters()]
+    return output[:, PROMPT:], {"forwards": len(forwards), "whole": sum(whole),
+                                "weights": len(whole)}
 
 
 def completion_logps(model, prompt_ids, completion_ids):
@@ -110,7 +122,7 @@ def read_gradients(engine, record):
                             for name, p in engine.module.named_parameters()})
 
 
-def train(give_engine, policy):
+def train(give_engine, policy, **generate_kwargs):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     config = {"train_micro_batch_size_per_gpu": PROMPTS * GROUP,
               "gradient_accumulation_steps": 1,
@@ -120,7 +132,8 @@ def train(give_engine, policy):
     model = tiny_llama(policy)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, optimizer = accelerator.prepare(model, optimizer)  # a DeepSpeedEngine, partitioned
-    record = {"rewards": [], "grads": [], "completions": [], "error": None}
+    record = {"rewards": [], "grads": [], "completions": [], "error": None,
+              "generate": [], "synced_gpus_default": is_deepspeed_zero3_enabled()}
     try:
         for step in range(STEPS):
             # --8<-- [start:step]
@@ -128,7 +141,8 @@ def train(give_engine, policy):
             engine.eval()
             helper_gets = engine if give_engine else engine.module
             with unwrap_model_for_generation(helper_gets, accelerator) as unwrapped:
-                completion_ids = sample(unwrapped, prompt_ids, step, rank)
+                completion_ids, seen = sample(unwrapped, prompt_ids, step, rank,
+                                              **generate_kwargs)
             engine.train()
             loss = grpo_loss(engine, prompt_ids, completion_ids)
             engine.backward(loss)
@@ -139,11 +153,17 @@ def train(give_engine, policy):
             torch.distributed.all_reduce(mean_reward)
             record["rewards"].append(mean_reward.item() / world)
             record["completions"].append(completion_ids.cpu())
+            record["generate"].append(seen)
     except (AssertionError, RuntimeError) as error:  # pragma: no cover (other releases)
         record["error"] = f"{type(error).__name__}: {error}"
     del accelerator
     AcceleratorState._reset_state(reset_partial_state=True)
     return record
+
+
+CASES = [(policy, given, synced)
+         for policy in (LlamaForCausalLM, HeadReadingLlama)
+         for given, synced in (("engine", None), ("engine.module", None), ("engine", False))]
 
 
 def main():
@@ -152,15 +172,26 @@ def main():
     say(f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
         f"trl {trl.__version__}")  # the DeepSpeed release: the page's stamp or note
     results = {}
-    for policy in (LlamaForCausalLM, HeadReadingLlama):
-        for given, give_engine in (("engine", True), ("engine.module", False)):
-            case = f"{policy.__name__}, unwrap_model_for_generation({given}, ...)"
-            results[case] = record = train(give_engine, policy)
-            steps = len(record["grads"])  # sampled tokens are not printed: see the test
-            say(f"{case}: {steps} of {STEPS} steps trained"
-                + (f", then {record['error']}" if record["error"] else ""))
+    for policy, given, synced in CASES:
+        kwargs = {} if synced is None else {"synced_gpus": synced}
+        case = (f"{policy.__name__}, unwrap_model_for_generation({given}, ...)"
+                + ("" if synced is None else f", synced_gpus={synced}"))
+        results[case] = record = train(given == "engine", policy, **kwargs)
+        steps = len(record["grads"])  # sampled tokens are not printed: see the test
+        say(f"{case}: {steps} of {STEPS} steps trained"
+            + (f", then {record['error']}" if record["error"] else ""))
+        if steps:
+            seen = record["generate"][0]
+            say(f"  rank 0, step 0: {seen['forwards']} forwards for {new_tokens(0)} tokens; "
+                f"{seen['whole']} of {seen['weights']} weights whole after generate()")
     torch.distributed.destroy_process_group()
     return results
+
+
+def model_inside_unsynced():  # pragma: no cover (rank 0 aborts on purpose)
+    """The helper given the model inside the engine, generate() with synced_gpus=False."""
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    return train(False, LlamaForCausalLM, synced_gpus=False)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,9 @@ SOURCES = {
     "RuntimeError: 0 active drivers ([]). There should only be one.": ["liger_on_cpu.txt"],
     "ValueError: DeepSpeed ZeRO-3 is enabled and is not compatible with": ["../transformers/copied_reference.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_id'": ["../transformers/copied_reference.out"],
+    "AssertionError: {'id': 0, 'status': 'AVAILABLE', 'numel': 512, 'ds_numel': 512, 'shape': (32, 16), "
+    "'ds_shape': (32, 16), 'requires_grad': True, 'grad_shape': None, 'persist': False, "
+    "'active_sub_modules': {2}, 'ds_tensor.shape': torch.Size([256])}": ["../versions/trl_weight_transfer.md"],
     # Before deepspeed.initialize: launchers and frozen models (zero3/around-initialize.md)
     "ValueError: max() arg is an empty sequence": ["frozen_model_engine.out"],
     "assert len(set(t.dtype for t in tensors)) == 1": ["frozen_model_engine.out"],
