@@ -22,7 +22,8 @@ SOURCES = {
     "compatible with [6, 6]": ["generated_models.out"],
     "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": [
         "automatic_detection.out", "constructor_shape.out"],
-    "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
+    "IndexError: index 0 is out of bounds for dimension 0 with size 0": [
+        "automatic_detection.out", "../versions/load_under_zero3.md"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
@@ -63,6 +64,8 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
+    # Transformers 4.43.0 to 4.43.2 (the version matrix's note of resize_embeddings.py)
+    "IndexError: index out of range in self": ["../versions/resize_embeddings.md"],
     # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
     "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
     "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
@@ -74,7 +77,7 @@ SOURCES = {
     "TypeError: The only supported seed types are: None,": [
         "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
     "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
-        "../transformers/init_under_zero_init.out"],
+        "../transformers/init_under_zero_init.out", "../versions/load_under_zero3.md"],
     # Fused losses, TRL's generation helper and copied models
     "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
@@ -118,3 +121,25 @@ def test_silent_cases_are_shown():
     rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
     assert len(rows) == 2 + 3  # header, separator, one row per case
     assert "found three cases" in page
+
+
+def note_lines(note, release):
+    """The lines of a version note about the runs with Transformers `release`."""
+    text = (ROOT / "snippets/versions" / note).read_text()
+    return [line for line in text.splitlines() if f"transformers {release}," in line]
+
+
+@pytest.mark.parametrize(("release", "raises"), [
+    ("4.33.2", "RuntimeError: shape '[-1, 0]' is invalid for input of size 720"),
+    ("4.42.4", None),
+    ("4.43.0", "IndexError: index out of range in self"),
+    ("4.43.1", "IndexError: index out of range in self"),
+    ("4.43.2", "IndexError: index out of range in self"),
+])
+def test_resize_entries_name_the_releases_that_printed_them(release, raises):
+    """The resizing entries' release lists are what the version matrix printed, release by release."""
+    [line] = note_lines("resize_embeddings.md", release)
+    if raises is None:
+        assert "raises" not in line and "stops before" not in line, line
+    else:
+        assert f"`{raises}`" in line, line
