@@ -13,6 +13,8 @@ files that are not ignored), or against `--changed-base REV`. From it:
   (they run when an example they name with `@pytest.mark.runs(...)` changes);
 - a test module: that module; the site's hooks, templates or the notebook: the site tests;
   the version data: `tests/test_versions.py`;
+- the data of "Find your error" and the census (`docs/errors/`), those pages and their hooks:
+  their two test modules (the search box's included), and for the data the pages' checks too;
 - anything the whole suite rests on (the harness, `tasks.py` and `devtasks/`, the pins, `mkdocs.yml`,
   `tests/conftest.py`, CI): every test.
 
@@ -32,6 +34,11 @@ SITE = ("hooks/", "overrides/", "docs/notebooks/", "docs/assets/")
 # Modules whose tests are parametrized by page or snippet (their item ids name it).
 PAGE_CHECKS = ("tests/test_prose_literals.py", "tests/test_inventory.py", "tests/test_output_blocks.py")
 SITE_TESTS = ("tests/test_site.py", "tests/site/")
+# "Find your error" and the census: rendered from the data in docs/errors/ by hooks; a change
+# to the data, the pages or those hooks runs their tests (the search box's included).
+ERRORS = ("docs/errors/", "hooks/errors_", "hooks/search_fixes.py")
+ERRORS_PAGES = ("docs/errors/index.md", "docs/errors/census.md")
+ERRORS_TESTS = ("tests/test_errors_data.py", "tests/site/test_find_your_error.py")
 # The item of tests/test_snippets.py that reads a page's output-block labels.
 LABEL_CHECK = "test_its_output_blocks_say_only_rank_0_prints_exactly_where_it_does"
 
@@ -119,6 +126,10 @@ def affected(changed: list[str], pages_including, outputs_shown=lambda page: [])
     `outputs_shown(page)` the output files (snippets/...out) in a page's output blocks."""
     result = Affected()
     for path in changed:
+        if path.startswith(ERRORS):
+            result.test_files.update(ERRORS_TESTS)
+            if path.startswith("docs/errors/"):
+                result.pages.update(ERRORS_PAGES)
         if path.startswith(EVERYTHING):
             result.everything = True
         elif path.startswith(SITE):

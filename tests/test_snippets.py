@@ -14,7 +14,7 @@ from rankrun import runner
 # machine that took more than 120 s.
 TIMEOUTS = {
     "snippets/zero3/automatic_detection.py": 600.0,
-    # 11 ZeRO-3 trainings of a 4 MiB embedding; about 90 s in the warm pool on a loaded machine.
+    # 13 ZeRO-3 trainings of a 4 MiB embedding; about 90 s in the warm pool on a loaded machine.
     "snippets/zero3/sharing_cost.py": 600.0,
     # Importing Transformers in new interpreters (below), on a loaded machine.
     "snippets/transformers/import_inside_zero_init.py": 600.0,

@@ -66,3 +66,16 @@ def test_a_changed_page_leaves_out_the_slow_checks_of_the_machinery():
     assert not affected([SNIPPET], pages_including, outputs_shown).selects(
         torchrun_check, slow=True, runs=("snippets/zero3/language_model.py",))
     assert affected(["hooks/notebooks.py"], pages_including, outputs_shown).selects(broken_build, slow=True)
+
+
+def test_the_data_of_find_your_error_selects_its_tests_and_the_build():
+    """docs/errors/*.toml is no page, yet the two pages are rendered from it."""
+    what = affected(["docs/errors/threads/huggingface-peft.toml"], pages_including, outputs_shown)
+    assert not what.everything
+    assert what.selects("tests/test_errors_data.py::test_anything")
+    assert what.selects("tests/site/test_find_your_error.py::test_searching_for_the_message_lands_on_its_entry_first[x]",
+                        slow=True)
+    assert what.selects("tests/test_site.py::test_strict_build")
+    assert not what.selects("tests/site/test_browser.py::test_light_dark_toggle")
+    hooks = affected(["hooks/errors_pages.py"], pages_including, outputs_shown)
+    assert hooks.site and hooks.selects("tests/test_errors_data.py::test_anything")

@@ -1,6 +1,7 @@
 """DeepSpeed issue #1047 done right: Trainer + ZeRO-3 with the soft one-hot product inside a
-wrapper module's forward, or inside GatheredParameters when the inputs need no gradient.
-Both train like the same model in one process without DeepSpeed.
+wrapper module's forward, which trains like the same model in one process without DeepSpeed.
+Also the product inside GatheredParameters in compute_loss: it trains here only because T5's
+decoder embedding, fed token ids, holds the tied weight through backward (not a fix).
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/t5_fixes.py

@@ -65,9 +65,9 @@ def engine_for(model_kwargs):
     return engine, slice(rank, None, world)
 
 
-def train(engine, mine, record, before_step=lambda engine: None):
+def train(engine, mine, record, before_step=lambda engine: []):
     for step in range(STEPS):
-        before_step(engine)
+        record["released in the block"].append(before_step(engine))
         tokens = batch(step)[mine].to(engine.device)
         logits = engine(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
@@ -82,10 +82,13 @@ def train(engine, mine, record, before_step=lambda engine: None):
 
 # --8<-- [start:around_forward]
 def gathered_forward(engine):
-    """Read logits with every weight gathered, as generation helpers do before generate()."""
+    """Logits with every weight gathered, as generation helpers do before generate().
+    Returns the weights found released inside the block, once the forward returned."""
     model = engine.module
-    with deepspeed.zero.GatheredParameters(list(model.parameters())), torch.no_grad():
-        return model(batch(0)[:, :-1].to(engine.device))
+    weights = dict(model.named_parameters())  # no gather: named_parameters
+    with deepspeed.zero.GatheredParameters(list(weights.values())), torch.no_grad():
+        model(batch(0)[:, :-1].to(engine.device))
+        return [name for name, w in weights.items() if w.numel() != w.ds_numel]
 # --8<-- [end:around_forward]
 
 
@@ -99,10 +102,10 @@ def main():
     say(f"deepspeed {deepspeed.__version__}")
     results = {}
     for case, kwargs, before_step in (
-            ("gathered in forward", {"gather_in_forward": True}, lambda engine: None),
+            ("gathered in forward", {"gather_in_forward": True}, lambda engine: []),
             ("gathered around forward", {}, gathered_forward),
-            ("fix: no gather", {}, lambda engine: None)):
-        record = {"losses": [], "grads": []}
+            ("fix: no gather", {}, lambda engine: [])):
+        record = {"losses": [], "grads": [], "released in the block": []}
         engine, mine = engine_for(kwargs)
         error = error_of(lambda: train(engine, mine, record, before_step))
         results[case] = {**record, "error": error}

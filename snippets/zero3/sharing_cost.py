@@ -102,7 +102,10 @@ class GatheredFromList(Detected):
 # --8<-- [start:variants]
 SMALL = DIM * DIM  # numel of one layer's weight: less than the embedding's VOCAB * DIM
 LEAN = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
-VARIANTS = {  # name: (model, ZeRO-3 settings besides the defaults)
+# Every variant sets stage3_param_persistence_threshold to 0 (train() below), so that
+# the small layers are partitioned too; None leaves it out: DeepSpeed's default.
+DEFAULT_THRESHOLD = {"stage3_param_persistence_threshold": None}
+VARIANTS = {  # name: (model, ZeRO-3 settings besides the threshold 0 and the defaults)
     "detected": (Detected, {}),
     "registered": (Registered, {}),
     "own module": (OwnModule, {}),
@@ -115,6 +118,9 @@ VARIANTS = {  # name: (model, ZeRO-3 settings besides the defaults)
     "registered, reuse 0, prefetch 0": (Registered, LEAN),
     "registered F.linear, reuse 0, prefetch 0": (LinearRead, LEAN),
     "own module, reuse 0, prefetch 0": (OwnModule, LEAN),
+    "registered, default threshold": (Registered, DEFAULT_THRESHOLD),
+    "registered, reuse 0, prefetch 0, default threshold":
+        (Registered, {**LEAN, **DEFAULT_THRESHOLD}),
 }
 # --8<-- [end:variants]
 
@@ -184,9 +190,10 @@ def make_batch(step):
 
 def train(model_class, settings, rank, world):
     global compute_logits
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **settings}
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH // world,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **settings},
+        "zero_optimization": {key: value for key, value in zero.items() if value is not None},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # no clipping: the run must equal plain PyTorch
     }
@@ -253,10 +260,10 @@ def report(results, world):
     for name, result in results.items():
         steps = [[e for e in result["events"] if e["step"] == step] for step in range(STEPS)]
         if result["error"]:
-            print(f"  {name:40} {result['error']}")
+            print(f"  {name:50} {result['error']}")
             continue
         top, moments = peak(steps[-1], "held")
-        print(f"  {name:40} " + " ".join(f"{peak(events, 'held')[0] / MIB:5.2f}" for events in steps)
+        print(f"  {name:50} " + " ".join(f"{peak(events, 'held')[0] / MIB:5.2f}" for events in steps)
               + f"  {where(moments, len(steps[-1]))}")
     print("\nAllocated: memory of those parameters still allocated (MiB), peak over all steps; "
           "where, if above the peak held")
@@ -264,7 +271,7 @@ def report(results, world):
         if not result["error"]:
             top, moments = peak(result["events"], "alive")
             above = top > max(e["held"] for e in result["events"])
-            print(f"  {name:40} {top / MIB:5.2f}  {where(moments, len(result['events'])) if above else ''}".rstrip())
+            print(f"  {name:50} {top / MIB:5.2f}  {where(moments, len(result['events'])) if above else ''}".rstrip())
     on_paper(results)
 
 
@@ -279,7 +286,7 @@ def on_paper(results, vocab=262144, hidden=4096, bytes_per_value=2):
             last = [e for e in result["events"] if e["step"] == STEPS - 1]
             copies = max(e["alive"] for e in result["events"]) // embedding
             holding = sum("embeddings.weight" in e["full"] for e in last)
-            print(f"  {name:40} {copies} full "
+            print(f"  {name:50} {copies} full "
                   f"{'copy' if copies == 1 else 'copies'} at the peak = "
                   f"{copies * real / 2**30:.2f} GiB + the layers gathered then; "
                   f"held at {holding} of {len(last)} moments")
@@ -301,7 +308,7 @@ def main():
             if not result["error"]:
                 median = statistics.median(result["seconds"][1:])
                 print(f"time per step after step 0, median of {len(result['seconds']) - 1}: "
-                      f"{name:40} {median:6.3f} s  {median / base:4.2f} x detected", file=sys.stderr)
+                      f"{name:50} {median:6.3f} s  {median / base:4.2f} x detected", file=sys.stderr)
     torch.distributed.destroy_process_group()
     return results
 

@@ -1,6 +1,8 @@
 """A module used on some steps only, under ZeRO-3: DeepSpeed prints "Invalidate trace cache"
-when the order of modules changes from one step to the next. Training still equals plain
-PyTorch. (Time per step: benchmarks/trace_cache.py.)
+when the order of modules changes from one step to the next, and the skipped head is updated
+again with its previous gradient (the step-3 loss differs from plain PyTorch's). Called on
+every step with a zero contribution, it trains like plain PyTorch. More schedules:
+stale_gradient.py. (Time per step: benchmarks/trace_cache.py.)
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/trace_cache.py
@@ -21,6 +23,11 @@ STEPS = int(os.environ.get("TRACE_CACHE_STEPS", "4"))
 
 
 # --8<-- [start:model]
+class AuxiliaryHead(nn.Linear):
+    def forward(self, hidden, with_bias=True):
+        return F.linear(hidden, self.weight, self.bias if with_bias else None)
+
+
 class WithAuxiliaryHead(nn.Module):
     """A tied language model with an auxiliary head that only some steps use."""
 
@@ -28,16 +35,18 @@ class WithAuxiliaryHead(nn.Module):
         super().__init__()
         self.embeddings = nn.Embedding(VOCAB, HIDDEN)
         self.layer = nn.Linear(HIDDEN, HIDDEN)
-        self.aux = nn.Linear(HIDDEN, VOCAB)
+        self.aux = AuxiliaryHead(HIDDEN, VOCAB)
 
-    def forward(self, tokens, use_aux, always_call=False):
+    def forward(self, tokens, aux="used"):
         hidden = torch.tanh(self.layer(self.embeddings(tokens)))
         logits = hidden @ self.embeddings.weight.t()
-        if use_aux:  # another module order on these steps
+        if aux == "used":
             logits = logits + self.aux(hidden)
-        elif always_call:  # the same module order on every step, and a zero gradient
+        elif aux == "zero":  # the same module order as "used", and a zero gradient
             logits = logits + 0.0 * self.aux(hidden)
-        return logits
+        elif aux == "no bias":  # the same module order: aux.bias gets no gradient
+            logits = logits + self.aux(hidden, with_bias=False)
+        return logits  # "skipped": another module order on these steps
 # --8<-- [end:model]
 
 
@@ -46,14 +55,15 @@ def batch(step):
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
 
 
-SCHEDULES = ("every step", "odd steps", "odd steps, always called")
+# schedule: (what the auxiliary head does in a step, the optimizer)
+SCHEDULES = {
+    "every step": (lambda step: "used", "SGD"),
+    "odd steps": (lambda step: "used" if step % 2 else "skipped", "SGD"),
+    "odd steps, always called": (lambda step: "used" if step % 2 else "zero", "SGD"),
+}
 
 
-def uses_aux(schedule, step):
-    return schedule == "every step" or step % 2 == 1
-
-
-def engine_for():
+def engine_for(optimizer_name):
     world = torch.distributed.get_world_size()
     # --8<-- [start:config]
     config = {"train_micro_batch_size_per_gpu": BATCH // world,
@@ -64,7 +74,7 @@ def engine_for():
     torch.manual_seed(SEED)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = WithAuxiliaryHead()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = getattr(torch.optim, optimizer_name)(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -74,11 +84,10 @@ def full_grad(param):
     return torch.zeros(param.ds_shape) if grad is None else grad.clone()
 
 
-def train_step(engine, schedule, step):
+def train_step(engine, aux, step):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     tokens = batch(step)[rank::world].to(engine.device)
-    logits = engine(tokens[:, :-1], use_aux=uses_aux(schedule, step),
-                    always_call=schedule.endswith("always called"))
+    logits = engine(tokens[:, :-1], aux=aux)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     engine.backward(loss)
     grads = {name: full_grad(p) for name, p in engine.module.named_parameters()}
@@ -88,7 +97,7 @@ def train_step(engine, schedule, step):
     return mean.item() / world, grads
 
 
-def main():
+def main(schedules=SCHEDULES):
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     world = torch.distributed.get_world_size()
     if BATCH % world:  # unequal shares would weigh the samples unequally: other losses
@@ -96,12 +105,12 @@ def main():
                          "on 2 or 4 ranks (the printed losses were checked on both)")
     say = print if torch.distributed.get_rank() == 0 else (lambda *args, **kwargs: None)
     results = {}
-    for schedule in SCHEDULES:
+    for schedule, (aux_in, optimizer_name) in schedules.items():
         say(f"auxiliary head on {schedule}:", flush=True)
-        engine = engine_for()
+        engine = engine_for(optimizer_name)
         record = {"losses": [], "grads": []}
         for step in range(STEPS):
-            loss, grads = train_step(engine, schedule, step)
+            loss, grads = train_step(engine, aux_in(step), step)
             record["losses"].append(loss)
             record["grads"].append(grads)
             aux = grads["aux.bias"].abs().sum().item()

@@ -28,12 +28,15 @@ def page_paths() -> list[str]:
     paths = []
     for source in sorted(DOCS.rglob("*.md")) + sorted((DOCS / "notebooks").glob("*.py")):
         relative = source.relative_to(DOCS).with_suffix("").as_posix()
-        paths.append("" if relative == "index" else relative + "/")
+        # An index.md is its folder's address: docs/errors/index.md is errors/.
+        paths.append(relative.removesuffix("index") if relative.split("/")[-1] == "index" else relative + "/")
     return paths
 
 
 def source_of(path: str) -> Path:
     stem = DOCS / (path.rstrip("/") or "index")
+    if (stem / "index.md").is_file():
+        stem = stem / "index"
     return stem.with_suffix(".md") if stem.with_suffix(".md").is_file() else stem.with_suffix(".py")
 
 

@@ -1,7 +1,8 @@
 """snippets/zero3/free_active_param.py on 2 and 4 ranks: GatheredParameters(fwd_module=self)
 inside the module's own forward raises "Cannot free a ZeRO-3 parameter ..." in step 1 (after a
-step 0 equal to plain PyTorch); all weights gathered around a forward, and no gather at all,
-train like plain PyTorch."""
+step 0 equal to plain PyTorch). All weights gathered around a forward train like plain
+PyTorch, but DeepSpeed's hooks release every weight inside that block (each step, once the
+forward returned); no gather at all trains like plain PyTorch."""
 
 import pytest
 import torch
@@ -48,6 +49,9 @@ def test_gather_in_a_running_forward_cannot_free(world_size, reference, expect_o
         for case in ("gathered around forward", "fix: no gather"):
             assert got[case]["error"] is None, got[case]["error"]
             assert_same_training(got[case], (losses, grads), f"{case}, rank {rank}")
+        # The gather does not keep the weights whole: the module hooks release them inside it.
+        every_weight = ["embeddings.weight", "layer.weight", "layer.bias"]
+        assert got["gathered around forward"]["released in the block"] == [every_weight] * 3
     if world_size == 2:
         expect_output(result, output_file(SNIPPET))
 

@@ -33,7 +33,13 @@ EXPECTED = {
     "registered, reuse 0, prefetch 0": ((E + L, E + L), 2 * E),
     "registered F.linear, reuse 0, prefetch 0": ((E + L, E + L), E + L),
     "own module, reuse 0, prefetch 0": ((E, E), E),
+    # DeepSpeed's default persistence threshold: the layers (16512 elements each) stay whole
+    # from the end of step 0, so from step 1 the lean settings hold the whole model too.
+    "registered, default threshold": ((E + L, E + LAYERS * L), 2 * E),
+    "registered, reuse 0, prefetch 0, default threshold": ((E + L, E + LAYERS * L), 2 * E + LAYERS * L),
 }
+DEFAULT_THRESHOLD = ("registered, default threshold", "registered, reuse 0, prefetch 0, default threshold")
+LAYER_NAMES = {f"layers.{i}.{kind}" for i in range(LAYERS) for kind in ("weight", "bias")}
 FAILS = {"GatheredParameters": "step 1: RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules"}
 
 
@@ -118,7 +124,11 @@ def test_bytes_held_and_training(world_size, references, expect_output, request)
         got_steps = tuple(max(e["held"] for e in result["events"] if e["step"] == s) for s in range(STEPS))
         assert got_steps == steps, variant
         assert max(e["alive"] for e in result["events"]) == allocated, variant
-        assert result["events"][-1] == {**result["events"][-1], "held": 0, "full": []}  # after backward: none
+        if variant in DEFAULT_THRESHOLD:  # after backward: the persistent layers only
+            assert result["events"][-1] == {**result["events"][-1], "held": LAYERS * L}, variant
+            assert set(result["events"][-1]["full"]) == LAYER_NAMES, variant
+        else:  # after backward: none
+            assert result["events"][-1] == {**result["events"][-1], "held": 0, "full": []}
     # The moments the page names.
     detected, registered = results["detected"], results["registered"]
     assert "embeddings.weight" not in held(detected, 0, "model.forward start")
@@ -145,6 +155,14 @@ def test_bytes_held_and_training(world_size, references, expect_output, request)
         assert two_copies(variant) == [(0, "backward reaches the read")], variant
     for variant in ("registered, reuse 0, prefetch 0", "registered, reuse 0, live small"):
         assert two_copies(variant) == [(step, "backward reaches the read") for step in range(STEPS)], variant
+    assert two_copies("registered, default threshold") == [(0, "backward reaches the read")]
+    # Under the default threshold the lean settings still release the embedding every step,
+    # and in step 1 the two copies come on top of the whole (persistent) layers.
+    lean_default = results["registered, reuse 0, prefetch 0, default threshold"]["events"]
+    assert [(e["step"], e["moment"]) for e in lean_default if e["alive"] >= 2 * E] == [
+        (step, "backward reaches the read") for step in range(STEPS)]
+    for moment in layer_moments:  # the layers stay whole at every moment of step 1
+        assert LAYER_NAMES <= held(results["registered, reuse 0, prefetch 0, default threshold"], 1, moment), moment
     if world_size == 2:
         expect_output(run, output_file(SNIPPET))
         if request.config.getoption("--update-outputs"):

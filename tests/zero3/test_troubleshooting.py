@@ -14,7 +14,9 @@ PAGE = ROOT / "docs/zero3/troubleshooting.md"
 # message heading on the page -> the output file that shows it
 SOURCES = {
     "RuntimeError: size mismatch, got input (10), mat (10x8), vec (0)": ["automatic_detection.out"],
-    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out"],
+    "RuntimeError: 'weight' must be 2-D": ["automatic_detection.out", "../transformers/reference_model.out",
+                                           "../pipeline/fsdp1_shared_units.out",
+                                           "used_before_initialize.out"],
     "RuntimeError: mat2 must be a matrix": ["soft_inputs_outside.out", "gathered_in_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (8) at non-singleton dimension 1": [
         "gathered_in_loss.out"],
@@ -29,6 +31,9 @@ SOURCES = {
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
     "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
     "RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules": ["free_active_param.out"],
+    "RuntimeError: Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
+    "shape torch.Size([6, 6]) from checkpoint, the shape in current model is torch.Size([0]).": [
+        "generated_copies.out"],
     "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
     "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
     "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
@@ -66,11 +71,20 @@ SOURCES = {
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
     # Transformers 4.43.0 to 4.43.2 (the version matrix's note of resize_embeddings.py)
     "IndexError: index out of range in self": ["../versions/resize_embeddings.md"],
+    # Converting a tied checkpoint, saves that write a tied weight twice
+    # (docs/zero3/converting-tied-checkpoints.md); the KeyError also heads an entry under FSDP2 below
+    "KeyError: 'lm_head.weight'": ["../transformers/convert_tied_megatron.out",
+                                   "../pipeline/accelerate_fsdp2_releases.txt",
+                                   "../pipeline/hf_pipeline_loader.out"],
+    'Unexpected key(s) in state_dict: "output_layer.weight".': [
+        "../transformers/convert_tied_megatron.out", "../transformers/fsdp_save_both_names.out"],
+    "RuntimeError: Error(s) in loading state_dict for ValueHead: size mismatch for summary.weight: "
+    "copying a param with shape torch.Size([1, 16]) from checkpoint, the shape in current model is "
+    "torch.Size([0])": ["../transformers/value_head_load.out"],
     # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
     "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
     "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
     "them in the same FSDP group.": ["../pipeline/accelerate_fsdp2_releases.txt"],
-    "KeyError: 'lm_head.weight'": ["../pipeline/accelerate_fsdp2_releases.txt"],
     "ValueError: FSDP2 mapping failed (missing: ['lm_head.weight']). This is likely due to tied "
     "embeddings (config has tie_word_embeddings=True but checkpoint has separate weights).": [
         "../pipeline/accelerate_fsdp2_tied.out", "../pipeline/accelerate_fsdp2_releases.txt"],
@@ -78,6 +92,24 @@ SOURCES = {
         "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
     "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
         "../transformers/init_under_zero_init.out", "../versions/load_under_zero3.md"],
+    # Tied weights with FSDP: meta-device init and FSDP1 units (pipeline/fsdp-tied-init-checkpoints.md)
+    'Missing key(s) in state_dict: "lm_head.weight".': ["../pipeline/fsdp_meta_init_llama.out"],
+    "RuntimeError: size mismatch, got input (24), mat (24x8), vec (64)": ["../pipeline/fsdp1_shared_units.out"],
+    # DeepSpeed pipelines with ZeRO, Megatron Core beyond two stages (pipeline/tied-layers*.md)
+    "AssertionError: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism": [
+        "../pipeline/zero3_pipeline.out", "../pipeline/zero1_pipeline_offload.out"],
+    "ZeRORuntimeException: You are using ZeRO-Offload with a client provided optimizer": [
+        "../pipeline/zero1_pipeline_offload.out"],
+    "AssertionError: embedding group is not initialized": ["../pipeline/megatron_four_stages.out"],
+    # Quantized models and counting parameters (quantized_zero3.py, parameter_count.py,
+    # versions/trainer_param_count.py)
+    "ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.": [
+        "../transformers/quantized_zero3.out"],
+    "ValueError: matmul_4bit: quant_state.shape must be 2D [N, K]": ["../transformers/quantized_zero3.out"],
+    "ZeroDivisionError: integer division or modulo by zero": ["../transformers/quantized_zero3.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_numel'": [
+        "../transformers/trainer_param_count.txt"],
+    "ZeroDivisionError: division by zero": ["../transformers/parameter_count.out"],
     # Fused losses, TRL's generation helper and copied models
     "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
@@ -85,16 +117,28 @@ SOURCES = {
     "RuntimeError: 0 active drivers ([]). There should only be one.": ["liger_on_cpu.txt"],
     "ValueError: DeepSpeed ZeRO-3 is enabled and is not compatible with": ["../transformers/copied_reference.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_id'": ["../transformers/copied_reference.out"],
+    # Before deepspeed.initialize: launchers and frozen models (zero3/around-initialize.md)
+    "ValueError: max() arg is an empty sequence": ["frozen_model_engine.out"],
+    "assert len(set(t.dtype for t in tensors)) == 1": ["frozen_model_engine.out"],
+    "ModuleNotFoundError: No module named 'mpi4py'": ["../transformers/trainer_launch_python.txt"],
 }
 
 
+# Messages with an entry in two groups of the page, one per cause (SOURCES lists each once, where
+# it first occurs, with the output files of both). The later entry's group existed first: the
+# new heading carries an id of its own ({#...}), so that the older one keeps its anchor.
+REPEATED = {"KeyError: 'lm_head.weight'"}
+
+
 def headings():
-    # A message with backticks is fenced with two: ### `` a `b` c ``
-    return [m[1] for m in re.findall(r"^### (`+) ?(.+?) ?\1$", PAGE.read_text(), flags=re.M)]
+    # A message with backticks is fenced with two: ### `` a `b` c ``; an explicit id may follow.
+    return [m[1] for m in re.findall(r"^### (`+) ?(.+?) ?\1(?: \{#[\w-]+\})?$", PAGE.read_text(), flags=re.M)]
 
 
 def test_page_lists_exactly_these_messages():
-    assert headings() == list(SOURCES)
+    found = headings()
+    assert list(dict.fromkeys(found)) == list(SOURCES)
+    assert {message for message in found if found.count(message) > 1} == REPEATED
 
 
 @pytest.mark.parametrize("message", list(SOURCES))
@@ -118,9 +162,18 @@ def test_silent_cases_are_shown():
         assert line in changed, line
     assert "change_after_initialize.out" in page
     # the table has one row per case, and the sentence above it counts them
+    # a forward's write to its gathered weight (lost_writes.py): the rows keep their norm
+    lost = (ROOT / "snippets/zero3/lost_writes.out").read_text()
+    assert "as written: losses 2.8354 2.7863 2.7879, largest norm of a used row 4.7108" in lost
+    assert "lost_writes.out" in (ROOT / "docs/zero3/lost-writes.md").read_text()
+    # a constructor's assignment, load or MultiheadAttention under zero.Init (generated copies)
+    copies = (ROOT / "snippets/zero3/check_shared_reads_generated_copies.txt").read_text()
+    for construct in ("weight.data = a tensor", "load_state_dict from a partitioned layer",
+                      "nn.MultiheadAttention"):
+        assert re.search(rf"^  {re.escape(construct)}: \d+ x silently wrong$", copies, re.M), construct
     rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
-    assert len(rows) == 2 + 3  # header, separator, one row per case
-    assert "found three cases" in page
+    assert len(rows) == 2 + 5  # header, separator, one row per case
+    assert "found five cases" in page
 
 
 def note_lines(note, release):
