@@ -24,6 +24,8 @@ TIMEOUTS = {
     "snippets/transformers/first_imports_inside_zero_init.py": 900.0,
     # Four Trainer runs, each followed by every save, then every load, in one launch.
     "snippets/transformers/zero3_saves.py": 600.0,
+    # Twelve loads under ZeRO-3 and three Trainer runs in one launch.
+    "snippets/transformers/load_under_zero3.py": 600.0,
 }
 
 

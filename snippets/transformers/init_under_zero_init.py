@@ -32,7 +32,8 @@ DS_CONFIG = {
 
 # --8<-- [start:own]
 class OwnInit(nn.Module):
-    """A model of your own that initializes its weights in its constructor."""
+    """A model of your own that initializes its weights in its constructor,
+    module by module (as Transformers' _init_weights(module) does)."""
 
     def __init__(self):
         super().__init__()
@@ -41,20 +42,28 @@ class OwnInit(nn.Module):
         self.init_weights()
 
     def init_weights(self):
+        for module in self.modules():
+            self.init_module(module)
+
+    def init_module(self, module):
         # Under zero.Init the weights are already partitioned here: these write
         # into empty tensors.
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.zeros_(self.mixer.bias)
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
 
 
 class GatheredInit(OwnInit):
-    """Fix 1: gather the weights around the initialization; rank 0's values are
-    sent to every rank. Without zero.Init, GatheredParameters does nothing."""
+    """Fix 1: gather one module's own weights at a time around its
+    initialization; rank 0's values are sent to every rank when each block
+    ends. Without zero.Init, GatheredParameters does nothing."""
 
     def init_weights(self):
-        params = list(self.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            super().init_weights()
+        for module in self.modules():
+            params = list(module.parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                self.init_module(module)
 # --8<-- [end:own]
 
 

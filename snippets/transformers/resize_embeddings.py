@@ -144,10 +144,11 @@ def main():
     resized = facts(model)  # tied? partitioned? (printed below)
     engine = initialize(model, config)
     # --8<-- [end:before]
-    results["before"] = {"resized": resized, "initialized": facts(model), **train(engine)}
-    for when in ("resized", "initialized"):
+    results["before"] = {"resized": resized, "initialized": facts(model)}
+    for when in ("resized", "initialized"):  # printed before training, which can fail
         say(f"{when}:", *(f"{k} {v}," for k, v in results["before"][when].items()
                           if k not in ("embedding", "head", "head shape")))
+    results["before"].update(train(engine))
     say("  losses:", *(f"{x:.4f}" for x in results["before"]["losses"]))
 
     # --8<-- [start:outside]

@@ -81,3 +81,31 @@ def test_the_verdict_tells_other_draws_from_another_initialization(numel):
             assert verdict(draws(other, numel, 1), want) == NOT, numel
     assert verdict(torch.zeros(numel, dtype=torch.float64) + 1e-3,
                    torch.zeros(numel, dtype=torch.float64)) == NOT  # constants must be equal
+
+
+def test_fix_1_gathers_one_module_at_a_time(monkeypatch):
+    """GatheredInit holds at most one module's own parameters gathered at once (never the
+    whole model, which is what zero.Init exists to avoid), and covers every parameter.
+    Recorded in one process: GatheredParameters replaced by a recorder of what it is given."""
+    import contextlib
+
+    import deepspeed
+
+    ex = example_namespace(SNIPPET)
+    calls = []
+
+    @contextlib.contextmanager
+    def recorder(params, modifier_rank=None):
+        calls.append((list(params), modifier_rank))
+        yield
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recorder)
+    model = ex["GatheredInit"]()
+    owners = {id(p): module for module in model.modules() for p in module.parameters(recurse=False)}
+    assert calls, "no gather"
+    for params, modifier_rank in calls:
+        assert modifier_rank == 0
+        assert len({id(owners[id(p)]) for p in params}) <= 1  # one module's own parameters
+    gathered = {id(p) for params, _ in calls for p in params}
+    assert gathered == {id(p) for p in model.parameters()}
+    assert max(len(params) for params, _ in calls) < len(list(model.parameters()))

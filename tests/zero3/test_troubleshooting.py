@@ -25,7 +25,8 @@ SOURCES = {
     "compatible with [6, 6]": ["generated_models.out"],
     "IndexError: Dimension out of range (expected to be in range of [-1, 0], but got 1)": [
         "automatic_detection.out", "constructor_shape.out"],
-    "IndexError: index 0 is out of bounds for dimension 0 with size 0": ["automatic_detection.out"],
+    "IndexError: index 0 is out of bounds for dimension 0 with size 0": [
+        "automatic_detection.out", "../versions/load_under_zero3.md"],
     "RuntimeError: Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
     "with modifier_rank=None. Use modifier_rank=<rank> to broadcast updates across ranks.": ["gathered_parameters.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
@@ -69,6 +70,8 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
+    # Transformers 4.43.0 to 4.43.2 (the version matrix's note of resize_embeddings.py)
+    "IndexError: index out of range in self": ["../versions/resize_embeddings.md"],
     # Converting a tied checkpoint, saves that write a tied weight twice
     # (docs/zero3/converting-tied-checkpoints.md); the KeyError also heads an entry under FSDP2 below
     "KeyError: 'lm_head.weight'": ["../transformers/convert_tied_megatron.out",
@@ -89,7 +92,7 @@ SOURCES = {
     "TypeError: The only supported seed types are: None,": [
         "../pipeline/deepspeed_tied_embed_stage_seeded.txt"],
     "ValueError: Fan in and fan out can not be computed for tensor with fewer than 2 dimensions": [
-        "../transformers/init_under_zero_init.out"],
+        "../transformers/init_under_zero_init.out", "../versions/load_under_zero3.md"],
     # Tied weights with FSDP: meta-device init and FSDP1 units (pipeline/fsdp-tied-init-checkpoints.md)
     'Missing key(s) in state_dict: "lm_head.weight".': ["../pipeline/fsdp_meta_init_llama.out"],
     "RuntimeError: size mismatch, got input (24), mat (24x8), vec (64)": ["../pipeline/fsdp1_shared_units.out"],
@@ -188,3 +191,25 @@ def test_silent_cases_are_shown():
     rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
     assert len(rows) == 2 + 5  # header, separator, one row per case
     assert "found five cases" in page
+
+
+def note_lines(note, release):
+    """The lines of a version note about the runs with Transformers `release`."""
+    text = (ROOT / "snippets/versions" / note).read_text()
+    return [line for line in text.splitlines() if f"transformers {release}," in line]
+
+
+@pytest.mark.parametrize(("release", "raises"), [
+    ("4.33.2", "RuntimeError: shape '[-1, 0]' is invalid for input of size 720"),
+    ("4.42.4", None),
+    ("4.43.0", "IndexError: index out of range in self"),
+    ("4.43.1", "IndexError: index out of range in self"),
+    ("4.43.2", "IndexError: index out of range in self"),
+])
+def test_resize_entries_name_the_releases_that_printed_them(release, raises):
+    """The resizing entries' release lists are what the version matrix printed, release by release."""
+    [line] = note_lines("resize_embeddings.md", release)
+    if raises is None:
+        assert "raises" not in line and "stops before" not in line, line
+    else:
+        assert f"`{raises}`" in line, line
