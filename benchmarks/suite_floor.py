@@ -19,10 +19,16 @@ belong here, never in a timed test.
    <= 20 s for the page, <= 25 s plus the snippet's own runs (the wall time of the runs it made,
    from the harness's request log) for the snippet. Needs a clean working tree.
 3. The whole suite, `python3 tasks.py test --durations=0`, as CI runs it after the install:
-   pytest's wall time, the harness's run summary (every distinct run made once), and the 20
+   pytest's wall time, the harness's run summary (every distinct run made once), the 20
    slowest tests grouped by cause: waiting (for a timeout, a hang, or another worker's run),
    training (runs in the warm pool), interpreters (fresh ranks, real torchrun, new Python
-   processes), builds (the site), browser. Target <= 360 s on 2 idle cores.
+   processes), builds (the site), browser; and the suite's CPU by where it goes (the plugin
+   benchmarks/cpu_split.py, loaded into the session): runs in the warm pool, fresh interpreters
+   (documented torchrun commands, fresh=True runs, the harness's cases), nested pytest or
+   tasks.py sessions, site builds and the browser, collection, the tests' own work in their
+   processes, and the warm zygotes' imports; then the share that is not the examples' own work.
+   `--checkout PATH` measures another checkout (say, main before a change) with this benchmark's
+   plugin: today's figure first, then the change's.
 4. `.ci/run`'s second pass: the tests that compare numbers, under ATEN_CPU_CAPABILITY=default.
    The fresh-clone `.ci/run` (target <= 12 min) is this pass + the suite + the install (about
    160 s on 2 idle cores): not run here, since it reinstalls everything.
@@ -224,12 +230,19 @@ def slowest_by_cause(stdout: str, asked: list[dict], count: int = 20) -> None:
 def whole_suite(command: list[str], name: str, target: float, env: dict | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="suite-floor-") as tmp:
         log = Path(tmp) / "requests.jsonl"
+        split_log = Path(tmp) / "cpu.jsonl"
         before = load()
-        # -v: each test's outcome as it ends, so an interrupted run still says which tests failed
-        wall, cpu, done = timed(command + ["-v", "--durations=0"], {**(env or {}), "RANKRUN_KEEP_RUN_LOG": str(log)})
+        # -v: each test's outcome as it ends, so an interrupted run still says which tests failed;
+        # -p cpu_split: where the CPU goes (benchmarks/cpu_split.py, on PYTHONPATH)
+        plugin_path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent),
+                                                    os.environ.get("PYTHONPATH")]))
+        wall, cpu, done = timed(command + ["-v", "--durations=0", "-p", "cpu_split"],
+                                {**(env or {}), "RANKRUN_KEEP_RUN_LOG": str(log), "CPU_SPLIT_LOG": str(split_log),
+                                 "PYTHONPATH": plugin_path})
         asked = requests(log)
         kept_log = Path(tempfile.mkstemp(prefix="suite-floor-requests-", suffix=".jsonl")[1])
         kept_log.write_text(log.read_text() if log.exists() else "")
+        split = requests(split_log)
     summary = SUMMARY.search(done.stdout)
     figure(name, wall, cpu, before, target, f"; pytest: {summary.group(1)} in {summary.group(2)} s" if summary else "")
     kept = Path(tempfile.mkstemp(prefix="suite-floor-output-", suffix=".txt")[1])
@@ -240,6 +253,96 @@ def whole_suite(command: list[str], name: str, target: float, env: dict | None =
         print(f"  {runs.group(0)}")
     failed(done)
     slowest_by_cause(done.stdout, asked)
+    cpu_by_where(split, asked, cpu, before)
+
+
+# Test modules that start a pytest or tasks.py session of their own (each pays its collection, and
+# a zygote of its own when it runs examples): found by what their source runs.
+NESTED_SESSION = re.compile(r'"-m", *"pytest"|\[sys\.executable, *"tasks\.py"')
+SITE_BUILDS = ("tests/test_site.py", "tests/site/test_notebook_cache.py", "tests/site/test_rebuild_cache.py",
+               "tests/site/test_offline.py")
+BROWSER = ("tests/site/test_browser.py", "tests/site/test_jupyterlab.py")
+# What is the examples' own work: their runs in the warm pool, and the tests' comparisons of them
+# in the test processes (the one-process references). The rest is what the suite pays around them.
+OWN_WORK = ("runs in the warm pool", "the tests' own work in their processes")
+
+
+def nested_modules() -> set[str]:
+    found = set()
+    for path in [*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "rankrun" / "tests").glob("test_*.py")]:
+        if NESTED_SESSION.search(path.read_text()):
+            found.add(str(path.relative_to(ROOT)))
+    return found
+
+
+def cpu_by_where(split: list[dict], asked: list[dict], total: float, before: str) -> None:
+    """The suite's CPU by where it goes, from benchmarks/cpu_split.py's log (see the docstring)."""
+    if not split:
+        print("  no CPU split (benchmarks/cpu_split.py wrote nothing)")
+        return
+    nested, fresh_tests = nested_modules(), set()
+    for entry in asked:
+        key = json.loads(entry["key"])
+        if key.get("kind") == "torchrun" or key.get("fresh") or not entry["cached"]:
+            fresh_tests.add(entry["test"])
+    where: Counter = Counter()
+    in_tests: dict[int, float] = defaultdict(float)
+    for entry in split:
+        if entry["kind"] == "collection":
+            where["collection"] += entry["cpu"]
+        elif entry["kind"] == "test":
+            nodeid, path = entry["nodeid"], entry["nodeid"].split("::", 1)[0]
+            in_tests[entry["pid"]] += entry["children"]
+            where["the tests' own work in their processes"] += entry["self"]
+            if path in nested:
+                where["nested pytest or tasks.py sessions"] += entry["children"]
+            elif path in BROWSER:
+                where["the browser"] += entry["children"]
+            elif path in SITE_BUILDS or path == "tests/test_versions.py":
+                where["site builds"] += entry["children"]
+            elif nodeid in fresh_tests or path.startswith("rankrun/tests/") or path.startswith(
+                    ("tests/test_plain_python", "tests/test_readme", "tests/test_deepspeed_op_build")):
+                where["fresh interpreters (torchrun, fresh=True, the harness's cases)"] += entry["children"]
+            else:
+                where["other processes a test started and waited for"] += entry["children"]
+    zygote_imports = zygote_import_cpu()
+    processes = [entry for entry in split if entry["kind"] == "process"]
+    workers_total = sum(entry["self"] + entry["children"] for entry in processes if entry["worker"])
+    for entry in processes:
+        collection = next((e["cpu"] for e in split if e["kind"] == "collection" and e["pid"] == entry["pid"]), 0.0)
+        # the rest of the process's own CPU (hooks, the summary, xdist's messages)
+        own = entry["self"] - collection - sum(e["self"] for e in split if e["kind"] == "test" and e["pid"] == entry["pid"])
+        where["the test processes besides tests (hooks, xdist, the summary)"] += max(own, 0.0)
+        warm = entry["children"] - in_tests[entry["pid"]]
+        if entry["worker"] or not workers_total:
+            # the zygote and every warm rank it forked, reaped when the session ended
+            imports = min(zygote_imports, max(warm, 0.0))
+            where["the warm zygotes' imports"] += imports
+            where["runs in the warm pool"] += max(warm - imports, 0.0)
+        else:
+            # the main process of pytest-xdist: its children are the workers (counted above) and, when
+            # the coverage gate made runs again at the end, its own zygote and those runs
+            again = warm - workers_total
+            if again > 1.0:
+                imports = min(zygote_imports, again)
+                where["the warm zygotes' imports"] += imports
+                where["runs the coverage gate made again (main process)"] += again - imports
+    rest = total - sum(where.values())
+    if rest > 0:
+        where["tasks.py, and what no test session process reaped"] += rest
+    accounted = sum(where.values())
+    print(f"where the suite's CPU went ({total:.0f} s of CPU in all; {before} before, {load()} after):")
+    for name, seconds in where.most_common():
+        print(f"  {seconds:8.1f} s  {100 * seconds / accounted:5.1f}%  {name}")
+    overhead = sum(seconds for name, seconds in where.items() if name not in OWN_WORK)
+    print(f"  not the examples' own work (all but {' and '.join(OWN_WORK)}): {overhead:.0f} s, "
+          f"{100 * overhead / accounted:.1f}% of the suite's CPU")
+
+
+def zygote_import_cpu() -> float:
+    """CPU seconds of one warm zygote's imports (rank_main.warm_up), measured once here."""
+    _, cpu, done = timed([str(PYTHON), "-c", IN_PROCESS["the warm zygote's imports (rank_main.WARM_IMPORTS)"]])
+    return cpu if done.returncode == 0 else 0.0
 
 
 def main() -> int:
@@ -247,7 +350,15 @@ def main() -> int:
     parser.add_argument("--only", choices=["startup", "changed", "suite", "second-pass"])
     parser.add_argument("--page", type=Path, default=Path("docs/zero3/external-parameters.md"))
     parser.add_argument("--snippet", type=Path, default=Path("snippets/zero3/module_z3.py"))
+    parser.add_argument("--checkout", type=Path, default=None,
+                        help="measure the suite of another checkout of the project (its own .venv), e.g. main "
+                             "before a change, with this benchmark's CPU split")
     args = parser.parse_args()
+    if args.checkout is not None:
+        global ROOT, ENVIRONMENT
+        ROOT = args.checkout.resolve()
+        # that checkout's tasks.py gives its children its own .venv's variables
+        ENVIRONMENT = {key: value for key, value in os.environ.items() if key != "TORCH_EXTENSIONS_DIR"}
     print(f"{os.cpu_count()} CPUs; {load()}")
     if args.only in (None, "startup"):
         startup()
@@ -264,7 +375,7 @@ def main() -> int:
         whole_suite([sys.executable, "tasks.py", "test"], "whole suite, tasks.py test", 360.0)
     if args.only in (None, "second-pass"):
         whole_suite([sys.executable, "tasks.py", "test", "-m", "not slow and not kernel_independent",
-                     "tests/zero3", "tests/pipeline", "tests/transformers"],
+                     "--smallest-rank-count", "tests/zero3", "tests/pipeline", "tests/transformers"],
                     ".ci/run's second pass, ATEN_CPU_CAPABILITY=default", 12 * 60 - 160 - 360,
                     {"ATEN_CPU_CAPABILITY": "default"})
     return 0

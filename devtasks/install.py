@@ -57,6 +57,32 @@ def ensure_environment() -> None:
         install_locked()
 
 
+# Torch builds DeepSpeed's CPU op with the first `ninja` on PATH (docs/testing.md, "One build of
+# DeepSpeed's op for both of the README's paths"). The environment's own (1.13) and a system one
+# (1.11 here) hash a build command differently, so each rebuilds what the other built (30 s to
+# minutes). tasks.py and an activated shell put .venv/bin first; a `.venv/bin/torchrun` or
+# `.venv/bin/python` started without activating did not, and rebuilt the op with /usr/bin/ninja.
+# And without TORCH_EXTENSIONS_DIR such an interpreter built into ~/.cache/torch_extensions, which
+# every other environment of the machine shares (checkouts side by side rebuild it for each other,
+# and a run waits on another's build lock). This line, run by every interpreter of the environment
+# at start (site's .pth files), puts the environment's bin/ first on PATH, as activating does, and
+# gives TORCH_EXTENSIONS_DIR the environment's own directory unless it is set: as tasks.py does.
+OWN_NINJA_PTH = "shared_params_docs_own_ninja.pth"
+OWN_NINJA_LINE = (
+    "import os, sys; _bin = os.path.join(sys.prefix, 'bin'); "
+    "os.environ['PATH'] = os.environ.get('PATH', '') if os.environ.get('PATH', '').split(os.pathsep)[0] == _bin "
+    "else os.pathsep.join(filter(None, [_bin, os.environ.get('PATH')])); "
+    "os.environ.setdefault('TORCH_EXTENSIONS_DIR', os.path.join(sys.prefix, 'torch_extensions'))\n")
+
+
+def ensure_own_ninja_first() -> None:
+    """The .pth line above, in the environment's site-packages (written again if missing or another)."""
+    for site in (VENV / "lib").glob("python3*/site-packages"):
+        pth = site / OWN_NINJA_PTH
+        if not pth.exists() or pth.read_text() != OWN_NINJA_LINE:
+            pth.write_text(OWN_NINJA_LINE)
+
+
 def install_locked() -> None:
     ensure_mermaid()
     if VENV.exists() and not CREATED.exists() and not STAMP.exists():
@@ -78,6 +104,7 @@ def install_locked() -> None:
     if STAMP.exists() and STAMP.read_text() == fingerprint:
         problems = environment_problems()
         if not problems:
+            ensure_own_ninja_first()
             return
         print("tasks.py: the environment does not match constraints.txt; repairing it:\n  "
               + "\n  ".join(problems), flush=True)
@@ -99,4 +126,5 @@ def install_locked() -> None:
     if problems:
         die("the install finished but the environment still does not match constraints.txt:\n  "
             + "\n  ".join(problems))
+    ensure_own_ninja_first()
     STAMP.write_text(fingerprint)

@@ -30,10 +30,14 @@ The modules, by what they are:
                          and how they start a command they interrupt
     plugin.py            pytest plugin: `expect_output` fixture, `--update-outputs`, `--changed`,
                          `--order`, one temporary directory per session
+    selection.py         pytest plugin: `--shard`, `--store-durations`, `--smallest-rank-count`
     changed.py           which tests a change can affect (`--changed`)
     marks.py             the `kernel_independent` reasons (the second pass leaves those out)
+    shards.py            the suite in N shards by recorded durations (the hosted CI's matrix)
     coverage_gate.py     pytest plugin: the session fails unless every line under `snippets/`
                          ran in some rank
+    snippet_coverage.py  which runs the gate traces (only those that can still add a line), the
+                         lines they saw; the verdict on the union of the shards' lines
     torchrun_coverage.py the same coverage inside the ranks of a real `torchrun`
     site_build.py        the session's one strict build of the site, shared by the site tests
     pages.py             where the examples are: snippet files, output files, the pages'

@@ -2,7 +2,8 @@
 
 An example line that no run executes is an untested claim, so the whole suite fails
 when one is left (FastAPI gates its docs_src/ the same way). Coverage is measured inside
-the rank processes (rankrun/rank_main.py), not in the test process. The gate is on when the
+the rank processes (rankrun/rank_main.py), not in the test process, and only in the runs that can
+still add a line (rankrun.snippet_coverage). The gate is on when the
 whole suite runs (`pytest` with no paths and no -k, and no -m other than `not slow`, as
 `python3 tasks.py test` and `python3 tasks.py test --quick` do),
 and can be forced on or off with --snippet-coverage / --no-snippet-coverage. Exclude a
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rankrun import snippet_coverage
 from rankrun.runner import ROOT, SNIPPETS, close_pools
 
 
@@ -26,6 +28,9 @@ def pytest_addoption(parser):
                     help="fail the session unless every line in snippets/ ran in some rank")
     group.addoption("--no-snippet-coverage", action="store_false", dest="snippet_coverage",
                     help="do not measure snippet coverage")
+    group.addoption("--snippet-coverage-data", default=None, metavar="DIR",
+                    help="measure snippet coverage without a verdict and keep the lines seen in DIR (a shard of the "
+                         "hosted CI); `python -m rankrun.snippet_coverage DIR...` gives the verdict on their union")
 
 
 # The marker expressions that still run every example: the whole suite, and --quick.
@@ -43,6 +48,9 @@ def why_gate(config) -> tuple[bool, str]:
         return chosen, "--snippet-coverage" if chosen else "--no-snippet-coverage"
     if config.getoption("changed"):
         return False, "--changed runs only what the change affects"
+    if getattr(config, "shard", None):
+        return False, ("--shard runs part of the suite; with --snippet-coverage-data, "
+                       "`python -m rankrun.snippet_coverage` judges the shards' union")
     if config.getoption("collectonly"):
         return False, "--collect-only runs no example"
     if not selects_every_test_file(config):
@@ -73,39 +81,26 @@ def pytest_configure(config):
         # A pytest-xdist worker: its ranks write to the directory the main process chose
         # (SNIPPET_COVERAGE_DATA, inherited); the main process checks the gate at the end.
         return
+    kept = config.getoption("snippet_coverage_data")
+    if kept:
+        # A part of the suite measured for a verdict on the union of parts: the lines seen are kept.
+        Path(kept).mkdir(parents=True, exist_ok=True)
+        os.environ[snippet_coverage.DATA] = os.path.join(os.path.abspath(kept), ".coverage")
+        return
     if not gate_is_on(config):
         return
     config.snippet_coverage_dir = tempfile.mkdtemp(prefix="snippet-coverage-")
     # Rank processes inherit this and measure themselves (rankrun/rank_main.py).
-    os.environ["SNIPPET_COVERAGE_DATA"] = os.path.join(config.snippet_coverage_dir, ".coverage")
+    os.environ[snippet_coverage.DATA] = os.path.join(config.snippet_coverage_dir, ".coverage")
 
 
-# Examples whose lines the gate cannot see whole yet, each with why (said in the summary too).
-NOT_MEASURED = {
-    "snippets/zero3/check_shared_reads.py": "the checker also runs inside the test process and as a "
-                                            "command in a subprocess, neither of which the gate measures",
-}
+NOT_MEASURED = snippet_coverage.NOT_MEASURED
 
 
 def missing_lines() -> dict[str, list[int]]:
     """Snippet file -> line numbers no rank executed."""
-    import coverage
-
-    directory = os.path.dirname(os.environ["SNIPPET_COVERAGE_DATA"])
-    measured = coverage.Coverage(data_file=os.path.join(directory, "combined"), config_file=False)
-    # Besides `# pragma: no cover`: lines after the one that raises, in examples that demonstrate a failure.
-    measured.exclude(r"#\s*never reached")
-    parts = [str(p) for p in Path(directory).glob(".coverage.*")]
-    if parts:
-        measured.combine(parts, keep=True)
-    missing = {}
-    for snippet in sorted(SNIPPETS.rglob("*.py")):
-        if str(snippet.relative_to(ROOT)) in NOT_MEASURED:
-            continue
-        _, _, _, lines, _ = measured.analysis2(str(snippet))
-        if lines:
-            missing[str(snippet.relative_to(ROOT))] = lines
-    return missing
+    measured = snippet_coverage.measured_files()
+    return {measured[path]: sorted(lines) for path, lines in sorted(snippet_coverage.missing(measured).items())}
 
 
 @pytest.hookimpl(trylast=True)
@@ -113,21 +108,37 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not hasattr(config, "snippet_coverage_dir") or exitstatus not in (0, 1):
         return
-    close_pools()  # every job's data is saved before its worker answers
+    close_pools()  # every job's lines are written before its worker answers
     missing = missing_lines()
     config.snippet_coverage_missing = missing
     if missing:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def traced_runs(config) -> str:
+    """What the gate cost: how many runs were traced, and how many not."""
+    decisions = snippet_coverage.decisions()
+    traced = sum(1 for d in decisions if d["ranks"] != "none")
+    return (f"measured in {traced} of {len(decisions)} runs; {len(decisions) - traced} not traced: every line "
+            f"of their files already seen")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    kept = config.getoption("snippet_coverage_data")
+    if kept and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"snippet coverage: lines seen kept in {kept} for the verdict on the union "
+                                    f"(python -m rankrun.snippet_coverage); {traced_runs(config)}")
+        return
     missing = getattr(config, "snippet_coverage_missing", None)
     if missing is None:
         return
     if not missing:
-        terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank"
+        terminalreporter.write_line("snippet coverage: 100% of the lines in snippets/ ran in some rank; "
+                                    + traced_runs(config)
                                     + "".join(f"; not measured: {path} ({why})" for path, why in NOT_MEASURED.items()))
         return
     terminalreporter.write_sep("=", "snippet coverage gate failed", red=True)
+    terminalreporter.write_line(f"snippet coverage: {traced_runs(config)}")
     for path, lines in missing.items():
         terminalreporter.write_line(f"{path}: lines never run in any rank: {', '.join(map(str, lines))}")
+

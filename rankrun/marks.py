@@ -26,3 +26,7 @@ shapes = pytest.mark.kernel_independent(
     reason="shapes, names and ties of partitioned parameters: no computed value")
 findings = pytest.mark.kernel_independent(
     reason="the shared-reads checker's findings: which parameter was read where, no computed value")
+
+# Not a mark: why `--smallest-rank-count` (the same pass) leaves a test out: its comparison with
+# one process runs at a smaller rank count, through the same CPU kernels on smaller shards.
+SMALLER_RANK_COUNT = "the same comparison, through the same CPU kernels, runs at a smaller rank count in {kept}"

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rankrun import changed, run_cache
+from rankrun import changed, run_cache, shards
 from rankrun.pages import include_specs, output_blocks, page_lines, pages_including
 from rankrun.runner import ROOT, RunResult, close_zygotes
 
@@ -115,6 +115,7 @@ def pytest_terminal_summary(terminalreporter, config):
                 f"whose outcome does not depend on the CPU kernels:")
             for reason, nodeids in left_out.items():
                 terminalreporter.write_line(f"  {reason}: {len(nodeids)}: " + ", ".join(nodeids))
+
 
 
 # A path to keep the session's request log at (rankrun.run_cache), for benchmarks/suite_floor.py.
@@ -402,9 +403,10 @@ def pytest_runtest_call(item):
 
 # Items of these modules that name an example (in their id) run in the same worker as the
 # example's own test module, when that module is collected too: the run they share is made in
-# that worker, the other workers neither wait for it nor start a warm zygote for it.
-GROUPED_WITH_THE_EXAMPLE = ("tests/test_snippets.py", "tests/test_versions.py")
-EXAMPLE_IN_AN_ID = re.compile(r"\[(?:torchrun --nproc_per_node \d+ )?(snippets/[\w/.-]+\.py)\]")
+# that worker, the other workers neither wait for it nor start a warm zygote for it. The shards
+# (rankrun.shards) keep the same items together.
+GROUPED_WITH_THE_EXAMPLE = shards.GROUPED_WITH_THE_EXAMPLE
+EXAMPLE_IN_AN_ID = shards.EXAMPLE_IN_AN_ID
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -253,7 +253,6 @@ def serve(jobs_fd: int, reply_fd: int) -> int:
     snippet changes in its process (modules, globals, threads, signal handlers, limits, open
     files, ...) can reach another snippet, and nothing has to be put back.
     """
-    measured = snippet_coverage()
     as_a_new_process()
     become_subreaper()
     dump_stacks_on_request()
@@ -273,7 +272,7 @@ def serve(jobs_fd: int, reply_fd: int) -> int:
         os.dup2(err, 2)
         os.close(out)
         os.close(err)
-        exit_code = measured_run(measured, job["snippet"], job["report"], job.get("function") or "")
+        exit_code = measured_run(job["snippet"], job["report"], job.get("function") or "")
         replies.write(json.dumps({"exit_code": exit_code}) + "\n")
         replies.flush()
     return 0  # the job's exit code went in the answer
@@ -348,32 +347,24 @@ def zygote(control_fd: int) -> int:
     return 0
 
 
-def snippet_coverage():
-    """Line coverage of snippets/ in this rank, when the test session asks for it (rankrun/coverage_gate.py).
+def measured_run(snippet: str, report_file: str, function: str = "") -> int:
+    """run_one, under coverage when the runner asks this rank for it (rankrun.snippet_coverage:
+    SNIPPET_COVERAGE_RANKS in the job's environment); the lines it ran are written for the gate."""
+    from rankrun import snippet_coverage
 
-    Returns a Coverage object, not yet started, or None.
-    """
-    data_file = os.environ.get("SNIPPET_COVERAGE_DATA")
-    if not data_file:
-        return None
+    if not snippet_coverage.traced_here():
+        return run_one(snippet, report_file, function)
     import coverage
 
-    return coverage.Coverage(
-        data_file=data_file, data_suffix=True, config_file=False,
-        include=[os.path.join(PROJECT, "snippets", "*")],
-    )
-
-
-def measured_run(measured, snippet: str, report_file: str, function: str = "") -> int:
-    """run_one, under coverage when the runner asks for it (SNIPPET_COVERAGE_THIS_RUN=1 in the job's environment)."""
-    if measured is None or os.environ.get("SNIPPET_COVERAGE_THIS_RUN") != "1":
-        return run_one(snippet, report_file, function)
+    measured = coverage.Coverage(data_file=None, config_file=False,
+                                 include=[os.path.join(PROJECT, "snippets", "*")])
     measured.start()
     try:
         return run_one(snippet, report_file, function)
     finally:
         measured.stop()
-        measured.save()  # before the rank answers: after a failure the pool is killed
+        # Before the rank answers: after a failure the pool is killed.
+        snippet_coverage.record_seen(snippet_coverage.lines_of(measured))
 
 
 def main() -> int:
@@ -387,7 +378,7 @@ def main() -> int:
         probe_stacks_on_request(stacks)
     snippet, report_file = sys.argv[1], sys.argv[2]
     function = sys.argv[3] if len(sys.argv) > 3 else ""
-    code = measured_run(snippet_coverage(), snippet, report_file, function)
+    code = measured_run(snippet, report_file, function)
     if ENDED_WITHOUT_SHUTDOWN:
         # As the snippet does under torchrun: no interpreter shutdown for gloo's threads to abort.
         sys.stdout.flush()

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from rankrun import run_cache, torchrun_coverage
+from rankrun import run_cache, snippet_coverage, torchrun_coverage
 from rankrun.entry import guarded_function
 from rankrun.launch import resolve_snippet, run_fresh, torchrun_environment
 from rankrun.pool import (RankPool, close_pools, close_zygotes, fork_a_spare, pool_for_a_run, process_exists,
@@ -52,12 +52,8 @@ __all__ = ["check_torchrun", "documented_run", "run_torchrun", "torchrun_result"
            "process_exists", "resolve_snippet", "run_fresh", "run_snippet", "torchrun_environment", "zygote_pids"]
 
 
-# Snippet line coverage (rankrun/coverage_gate.py) is measured in every distinct run of an
-# example: the gate asks that every line ran in some rank, and a line may run only at one rank
-# count or with one environment (a refusal of a rank count, a branch of a fresh process). The
-# run cache makes each distinct run once, so no run is measured twice; outside a test session,
-# a repeated run is not measured again.
-_measured_runs: set[tuple] = set()
+# Snippet line coverage (rankrun/coverage_gate.py) is measured only in the runs that can still add a
+# line (rankrun.snippet_coverage).
 
 
 def _coverage_wanted(path: Path) -> bool:
@@ -106,9 +102,11 @@ def run_snippet(
 
 
 def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, env, fresh: bool, hang=None) -> RunResult:
-    entry_point = (path, call, world_size, tuple(sorted((env or {}).items())), fresh)
-    if _coverage_wanted(path) and entry_point not in _measured_runs:
-        env = {**(env or {}), "SNIPPET_COVERAGE_THIS_RUN": "1"}
+    """Make the run; its ranks measure snippet coverage when rankrun.snippet_coverage says so."""
+    measured = _coverage_wanted(path)
+    trace = snippet_coverage.ranks_to_trace(path, world_size) if measured else ""
+    if trace:
+        env = {**(env or {}), snippet_coverage.RANKS: trace}
     first_attempt = None
     for _ in range(2):
         if fresh:
@@ -120,14 +118,14 @@ def _run_now(path: Path, world_size: int, call, timeout: float, grace: float, en
             fork_a_spare(world_size)  # if the run ended before its ranks all had the job
         if first_attempt is not None:
             result.retried_because = first_attempt.failure_report()
-        if not result.port_was_taken:
-            _measured_runs.add(entry_point)
         if result.ok or not result.port_was_taken or first_attempt is not None:
-            return result
+            break
         # The port was free when the runner chose it, and something took it before
         # rank 0 could listen (another test run, say). The choice was the runner's,
         # so it tries once more with another port.
         first_attempt = result
+    if measured:
+        snippet_coverage.log_decision(path, world_size, trace, "fresh" if fresh else "warm")
     return result
 
 
@@ -149,7 +147,10 @@ def run_torchrun(snippet: str, nproc: int = 2, timeout: float = 600.0) -> subpro
         env.update(DS_ACCELERATOR="cpu", PET_MASTER_PORT=str(free_port()),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(STACKS_AT_ABORT), env.get("PYTHONPATH")])))
         if snippet in RUN_BY_TORCHRUN and _coverage_wanted(ROOT / snippet):
-            env.update(torchrun_coverage.environment(env))
+            trace = snippet_coverage.ranks_to_trace(ROOT / snippet, nproc)
+            snippet_coverage.log_decision(ROOT / snippet, nproc, trace, "torchrun")
+            if trace:
+                env.update(torchrun_coverage.environment(env))
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), snippet]
         started = time.monotonic()
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,7 +1,8 @@
 """One build of DeepSpeed's CPU op serves both of the README's paths: `python3 tasks.py test`
 and `source .venv/bin/activate; DS_ACCELERATOR=cpu torchrun ...` (with TORCH_EXTENSIONS_DIR set
-to the same directory, as the README says). A reader who alternates between them must not pay
-a rebuild each time: the build's .ninja_log and the .so stay as they were."""
+to the same directory, as the README says), and both passes of `.ci/run` (the second under
+ATEN_CPU_CAPABILITY=default). A reader or CI that alternates between them must not pay a rebuild
+each time: the build's .ninja_log gets no new entry and the .so stays as it was."""
 
 import json
 import os
@@ -28,9 +29,9 @@ def a_readers_shell() -> dict[str, str]:
     return env
 
 
-def through_tasks_py() -> None:
+def through_tasks_py(**variables: str) -> None:
     """The environment `python3 tasks.py test` gives pytest and its ranks (devtasks.child_env)."""
-    shell = a_readers_shell()
+    shell = {**a_readers_shell(), **variables}
     script = "import json; from devtasks.child_env import environment; print(json.dumps(environment()))"
     given = subprocess.run([sys.executable, "-c", script],
                            cwd=ROOT, env=shell, capture_output=True, text=True, check=True)
@@ -39,12 +40,26 @@ def through_tasks_py() -> None:
                    capture_output=True, timeout=900)
 
 
-def through_the_activated_venv() -> None:
+def through_the_activated_venv(**variables: str) -> None:
     """The README's second path: the venv activated in bash, TORCH_EXTENSIONS_DIR as it says."""
     script = (f"source .venv/bin/activate && TORCH_EXTENSIONS_DIR=.venv/torch_extensions DS_ACCELERATOR=cpu "
               f"python -c '{LOAD}'")
-    subprocess.run(["bash", "-c", script], cwd=ROOT, env=a_readers_shell(), check=True, capture_output=True,
+    subprocess.run(["bash", "-c", script], cwd=ROOT, env={**a_readers_shell(), **variables}, check=True,
+                   capture_output=True, timeout=900)
+
+
+def through_the_venv_not_activated(**variables: str) -> None:
+    """`.venv/bin/python` (or `.venv/bin/torchrun`, or `.venv/bin/python -m pytest`) started without
+    activating the environment and without TORCH_EXTENSIONS_DIR: the system's ninja came first on the
+    shell's PATH, which rebuilt the op, and torch built into ~/.cache/torch_extensions, which every
+    environment of the machine shares (devtasks.install, OWN_NINJA_PTH)."""
+    env = {**a_readers_shell(), "DS_ACCELERATOR": "cpu", **variables}
+    subprocess.run([str(VENV / "bin" / "python"), "-c", LOAD], cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=900)
+
+
+# .ci/run's second pass runs the example tests under PyTorch's portable kernels.
+SECOND_PASS = {"ATEN_CPU_CAPABILITY": "default"}
 
 
 def the_build() -> tuple[str, int]:
@@ -52,12 +67,19 @@ def the_build() -> tuple[str, int]:
 
 
 @pytest.mark.slow
-def test_alternating_the_two_paths_builds_the_op_once():
+def test_alternating_the_paths_and_the_passes_builds_the_op_once():
     if not (BUILD / "deepspeed_shm_comm.so").exists():
         through_tasks_py()  # built by tasks.py before pytest starts; a plain pytest may come first
     built = the_build()
-    for path in (through_the_activated_venv, through_tasks_py):  # each way once after the other
-        path()
+    # .ci/run's second pass right after its first (the build above, or tasks.py's), the README's
+    # torchrun after CI, a .venv interpreter started without activating, then the first pass again:
+    # each path right after another one (each load imports DeepSpeed in a new interpreter: 5 s of CPU)
+    steps = [("the second pass (tasks.py, ATEN_CPU_CAPABILITY=default)", through_tasks_py, SECOND_PASS),
+             ("the README's activated torchrun", through_the_activated_venv, {}),
+             (".venv/bin/python without activating", through_the_venv_not_activated, {}),
+             ("the first pass (tasks.py)", through_tasks_py, {})]
+    for name, path, variables in steps:
+        path(**variables)
         assert the_build() == built, (
-            f"{path.__name__} rebuilt DeepSpeed's op ({BUILD / '.ninja_log'} changed):\n"
+            f"{name} rebuilt DeepSpeed's op ({BUILD / '.ninja_log'} got a new entry):\n"
             f"before:\n{built[0]}\nafter:\n{the_build()[0]}")

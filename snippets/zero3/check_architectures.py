@@ -3,8 +3,10 @@
 Each architecture is scaled down through its own config class (tied where the family ties)
 and trained 3 steps in three cases: the model alone, with its own loss; a chunked loss that
 reads the output head's weight in the training loop; and built by `from_config` while an
-`HfDeepSpeedConfig` is alive. The checker's verdict comes from one process; the real run
-is 2 ranks under ZeRO-3 against the same model in one process without DeepSpeed.
+`HfDeepSpeedConfig` is alive. Two more are torch's own nn.TransformerEncoder and
+nn.TransformerDecoder in a small language model (the first two cases). The checker's verdict
+comes from one process; the real run is 2 ranks under ZeRO-3 against the same model in one
+process without DeepSpeed.
 
 Run the ZeRO-3 side of two architectures on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/zero3/check_architectures.py
@@ -13,6 +15,7 @@ Run and tested here on CPU only; not run on GPUs.
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import deepspeed
 import torch
@@ -20,10 +23,12 @@ import torch.nn.functional as F
 import transformers
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_grad
+from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
 
 from check_shared_reads import DS_CONFIG, _auto_class
 from check_shared_reads import apply_fixes, check_shared_reads, loop_fixes
+from generated_copies import checker_fixes
 
 VOCAB, SEQ, BATCH, STEPS, LR, SEED, CHUNK = 64, 8, 4, 3, 0.1, 0, 8
 SAMPLE = "Llama,T5"  # what the suite runs; the benchmark runs every architecture
@@ -90,13 +95,64 @@ ARCHITECTURES = {  # name: (model class, its small config, kind of inputs)
                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
              "masked"),
     "Gemma3 vision-language": ("Gemma3ForConditionalGeneration", gemma3_vision, "vision"),
+    "nn.TransformerEncoder": ("TorchLM", lambda: TorchConfig("encoder"), "torch"),
+    "nn.TransformerDecoder": ("TorchLM", lambda: TorchConfig("decoder"), "torch"),
 }
 # --8<-- [end:configs]
 
 
+@dataclass
+class TorchConfig:
+    stack: str  # "encoder" or "decoder"
+    tie_word_embeddings: bool = False
+
+
+class Output(dict):
+    """What the losses read of a model's output: `.loss`, and `.get(...)`."""
+    __getattr__ = dict.get
+
+
+class TorchLM(nn.Module):
+    """A small language model on torch's nn.TransformerEncoder or nn.TransformerDecoder,
+    written as readers write it; `fixes`: the checker's, applied where they say."""
+
+    def __init__(self, config, fixes=()):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(VOCAB, 16)
+        encoder = config.stack == "encoder"
+        make = nn.TransformerEncoderLayer if encoder else nn.TransformerDecoderLayer
+        layer = make(16, 2, 32, dropout=0.0, batch_first=True)
+        stack = nn.TransformerEncoder if encoder else nn.TransformerDecoder
+        extra = {"enable_nested_tensor": False} if encoder else {}
+        with checker_fixes(fixes, locals()):
+            self.stack = stack(layer, 2, **extra)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, labels=None, output_hidden_states=False):
+        hidden = self.embed(input_ids)
+        encoder = self.config.stack == "encoder"
+        hidden = self.stack(hidden) if encoder else self.stack(hidden, hidden)
+        logits = self.head(hidden)
+        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1),
+                                                           labels.flatten())
+        return Output(loss=loss, logits=logits,
+                      hidden_states=(hidden,) if output_hidden_states else None)
+
+    def get_output_embeddings(self):
+        return self.head
+
+
 def model_class(name):
     """The class, imported now: a first import inside zero.Init can fail (see the page)."""
+    if ARCHITECTURES[name][2] == "torch":
+        return globals()[ARCHITECTURES[name][0]]
     return getattr(transformers, ARCHITECTURES[name][0])
+
+
+def cases_of(name):
+    """The cases an architecture trains: torch's own models have no from_config."""
+    return CASES[:2] if ARCHITECTURES[name][2] == "torch" else CASES
 
 
 def config_of(name):
@@ -195,11 +251,15 @@ def builds_from_config(case, findings):
 
 def build(name, case, zero3, findings=()):
     """The model as the case builds it under ZeRO-3; with findings, as their fixes say:
-    the line of a constructor fix replaces the build, a registration runs on the model."""
+    the line of a constructor fix replaces the build, a registration runs on the model;
+    torch's own models apply theirs where they say, in their constructor."""
     cls = model_class(name)
     torch.manual_seed(SEED)
     rebuild = [f["fix"] for f in findings if f["fix"].startswith("model = ")]
-    if rebuild:
+    if cls is TorchLM:
+        with deepspeed.zero.Init(config_dict_or_path=zero3):
+            model = cls(config_of(name), findings)
+    elif rebuild:
         names = {"transformers": transformers, "config": config_of(name)}
         exec(rebuild[0], names)
         model = names["model"]
@@ -322,7 +382,7 @@ def rows():
     null]; by default every case of the sample, without fixes."""
     if "CHECK_ROWS" in os.environ:
         return [tuple(row) for row in json.loads(os.environ["CHECK_ROWS"])]
-    return [(name, case, None) for name in SAMPLE.split(",") for case in CASES]
+    return [(name, case, None) for name in SAMPLE.split(",") for case in cases_of(name)]
 
 
 def main():

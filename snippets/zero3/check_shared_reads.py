@@ -1,10 +1,14 @@
-"""Check your model: every read of a parameter that ZeRO-3 did not gather, with the fix.
+"""Check your model: every read of a parameter that ZeRO-3 did not gather, every weight it
+leaves empty or loses (a copy of a partitioned layer, a write into a gathered weight), with
+the fix.
 
 It builds the model under `deepspeed.zero.Init` and trains a few steps under real ZeRO-3
 (every parameter partitioned), in this process, as one rank over gloo on the CPU. Instead of
 stopping at the first failure, it watches every operation: an operation that gets a
 parameter ZeRO-3 has not gathered is recorded, the parameter is gathered so that the step can
-go on, and the run continues. Copy this file next to your model, or run it:
+go on, and the run continues; so is an operation that writes into a weight ZeRO-3 gathered.
+It also builds the model without DeepSpeed from the same seed, and names every weight whose
+start value differs. Copy this file next to your model, or run it:
 
     python snippets/zero3/check_shared_reads.py path/to/file.py:factory
 
@@ -22,10 +26,13 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed picks an accelerator
 
 import contextlib  # noqa: E402
+import copy  # noqa: E402
 import importlib.util  # noqa: E402
+import linecache  # noqa: E402
 import re  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+import sysconfig  # noqa: E402
 import textwrap  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -56,6 +63,8 @@ METADATA = {"dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "l
 _DEEPSPEED_DIR = str(Path(deepspeed.__file__).parent)
 _DEEPSPEED_LINEAR = str(Path(deepspeed.__file__).parent / "runtime" / "zero" / "linear.py")
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_COPY_FILE = copy.__file__
 _THIS_FILE = __file__
 
 
@@ -67,23 +76,32 @@ class Finding:
     step: int | None  # None in the constructor
     fix: str  # one line of Python to add
     where: str  # where that line goes
+    # "use": a use of a parameter ZeRO-3 had not gathered; "copy": an empty copy of a
+    # partitioned parameter; "empty": a parameter made from a partitioned one, with nothing
+    # in it; "changed": a start value other than plain PyTorch's; "write": a write to a
+    # gathered weight, which ZeRO-3 discards
+    kind: str = "use"
 
 
 def _from_deepspeed(frame) -> bool:
     """Whether the operation was called by DeepSpeed's own code (gathering, partitioning)
     rather than by the model, the loop or autograd."""
+    inner = None
     while frame is not None:
         name = frame.f_code.co_filename
         if name.startswith(_DEEPSPEED_LINEAR):
             pass  # ZeRO-3's stand-in for F.linear computes for the model: look further up
         elif name.startswith(_DEEPSPEED_DIR):
-            return True
+            if inner is None or inner.f_code.co_name != "__init__":
+                return True
+            # zero.Init's wrapper around a module's __init__ (torch's own modules too):
+            # what that __init__ does is the model's
         if name.startswith(_TORCH_DIR):
             if frame.f_code.co_name in ("_engine_run_backward", "backward", "apply"):
                 return False  # autograd runs the recorded operations
         elif not name.startswith("<"):
             return False  # model code, or the reader's loop
-        frame = frame.f_back
+        inner, frame = frame, frame.f_back
     return False
 
 
@@ -109,6 +127,35 @@ class _Use:
     site: str  # "file.py:line" of the user's code that made the use
     needs_grad: bool = False  # autograd recorded it: backward reads the values again
     hf_init: bool = False  # inside Transformers' weight initialisation
+    # In the constructor: whether an operation changed the (gathered) values, the innermost
+    # __init__ of the user's own code, and the library's line that made the change when a
+    # library module's __init__ made it (torch's MultiheadAttention zeroing a child's bias).
+    changed: bool = False
+    user_owner: torch.nn.Module | None = None
+    library_line: str | None = None
+
+
+@dataclass
+class _Copy:
+    """A Parameter copy.deepcopy made while the model was built."""
+    original: torch.nn.Parameter
+    copied: object  # what was given to copy.deepcopy: a module, usually
+    site: str  # the user's line behind the copy
+    source: str | None  # how that line's code names what was copied: "layer", "self.block"
+    path: str  # the original's path in what was copied ("self_attn.in_proj_weight")
+    owner: torch.nn.Module | None  # the user's __init__ that made the copy
+
+
+@dataclass
+class _Write:
+    """A write to a weight while ZeRO-3 had it gathered, after deepspeed.initialize."""
+    param: torch.nn.Parameter
+    module: torch.nn.Module | None  # the forward that wrote it, or None (the loop)
+    phase: str
+    step: int
+    site: str
+    op: str  # "embedding_renorm_", ...
+    modifying: bool  # inside GatheredParameters(..., modifier_rank=...)
 
 
 class _Watch:
@@ -122,6 +169,13 @@ class _Watch:
         self.last_reader = {}  # param id -> (reader module, or None)
         self.running = []  # modules whose forward has started and not returned
         self.created = {}  # param id -> (module it was registered on, "file:line")
+        self.copies = {}  # id of a copy made by copy.deepcopy in the constructor -> _Copy
+        self.made_at = {}  # param id -> (site, user __init__'s module) where it was registered
+        self.site_uses = {}  # constructor site -> the partitioned parameters used there
+        self.writes = []  # _Write: writes to gathered weights in this step
+        self.lost_writes = {}  # (param id, writer id, phase) -> the first such _Write
+        self.fp32_set = set()  # ids given to safe_set_full_fp32_param in this step
+        self.modifying = {}  # param id -> depth of GatheredParameters(modifier_rank=...) blocks
         self.backward_ran = False
         self.as_zero3_builds_it = self.as_plain_builds_it = None  # full weights by name
 
@@ -130,7 +184,8 @@ class _Watch:
         constructor, also those only the checker gathered: a real run has them partitioned."""
         found = []
         for a in _tensors(args, kwargs):
-            if hasattr(a, "ds_id") and (a.ds_status != ZeroParamStatus.AVAILABLE or (
+            # (the optimizer's fp32 partitions carry a ds_id too, but no status)
+            if hasattr(a, "ds_status") and (a.ds_status != ZeroParamStatus.AVAILABLE or (
                     self.phase == "constructor" and id(a) in self.gathered)):
                 found.append(a)
         return found
@@ -163,6 +218,10 @@ class _Watch:
         def registered(module, name, param):
             if param is not None and id(param) not in self.created:
                 self.created[id(param)] = (param, module, _creation_site(module))
+            if param is not None and self.phase == "constructor":
+                frame = sys._getframe(1)
+                self.made_at[id(param)] = (_site(frame, "constructor"),
+                                           _user_constructor_of(frame))
 
         modules = torch.nn.modules.module
         return [modules.register_module_forward_pre_hook(started),
@@ -189,8 +248,16 @@ class _Watch:
         key = (id(param), id(module), phase)
         if key not in self.seen:
             self.seen[key] = _Use(param, module, phase, self.step, _constructor_of(frame),
-                                  _site(frame, phase), hf_init=_in_hf_init(frame))
+                                  _site(frame, phase), hf_init=_in_hf_init(frame),
+                                  user_owner=_user_constructor_of(frame))
         self.seen[key].needs_grad |= needs_grad
+        # Transformers' initialisation may write a weight a constructor used before
+        # (torch's MultiheadAttention): from_config then initializes it gathered.
+        self.seen[key].hf_init |= _in_hf_init(frame)
+        if phase == "constructor":
+            used = self.site_uses.setdefault(self.seen[key].site, [])
+            if not any(p is param for p in used):
+                used.append(param)
         self.missed.add(id(param))
         if param.ds_status != ZeroParamStatus.AVAILABLE:
             self.gather(param)
@@ -198,6 +265,39 @@ class _Watch:
     def gather(self, param):
         _gather(param)
         self.gathered[id(param)] = param
+
+    def wrote(self, param, func, frame):
+        """A write to a gathered weight (see _WriteWatch); judged at the end of the step."""
+        module = self.running_module()
+        phase = "forward" if module is not None else self.phase
+        op = getattr(func, "__name__", str(func)).split(".")[0]
+        op = ".data =" if op == "__set__" else op
+        self.writes.append(_Write(param, module, phase, self.step, _site(frame, phase), op,
+                                  self.modifying.get(id(param), 0) > 0))
+
+    def end_step(self):
+        """The step's writes that ZeRO-3 discards: every write in a forward; in the loop,
+        every one not made on both copies (see _KeptWritesWatch)."""
+        for write in self.writes:
+            kept = (write.module is None and write.modifying
+                    and id(write.param) in self.fp32_set)
+            key = (id(write.param), id(write.module), write.phase)
+            if not kept and key not in self.lost_writes:
+                self.lost_writes[key] = write
+        self.writes, self.fp32_set = [], set()
+
+    def changed(self, param, frame):
+        """An operation of the constructor changed `param` (gathered by the checker): in a
+        real run the change goes into nothing. Keep where, for the finding."""
+        use = self.seen.get((id(param), id(None), "constructor"))
+        if use is None or use.changed:
+            return
+        use.changed, use.site = True, _site(frame, "constructor")
+        use.init_owner, use.user_owner = _constructor_of(frame), _user_constructor_of(frame)
+        use.library_line = _library_line(frame, use.init_owner)
+        used = self.site_uses.setdefault(use.site, [])
+        if not any(p is param for p in used):
+            used.append(param)
 
     def note_use(self, args, kwargs):
         """Remember which forward last computed with each gathered parameter (for backward)."""
@@ -217,10 +317,12 @@ class _Watch:
         self.gathered.clear()
 
 
-def _constructor_of(frame):
-    """The innermost module whose __init__ is on the stack (for constructor findings)."""
+def _constructor_of(frame, user=False):
+    """The innermost module whose __init__ is on the stack (for constructor findings); with
+    user=True, the innermost one whose __init__ is the user's code (not torch's)."""
     while frame is not None:
-        if frame.f_code.co_name == "__init__":
+        if frame.f_code.co_name == "__init__" and not (
+                user and _library(frame.f_code.co_filename)):
             owner = frame.f_locals.get("self")
             if isinstance(owner, torch.nn.Module):
                 return owner
@@ -228,7 +330,30 @@ def _constructor_of(frame):
     return None
 
 
+def _user_constructor_of(frame):
+    return _constructor_of(frame, user=True)
+
+
+def _library_line(frame, owner):
+    """When a library module's __init__ (torch's) made the operation: its line, as
+    "activation.py:1242: `constant_(self.out_proj.bias, 0.0)`"; else None."""
+    if owner is None:
+        return None
+    source = getattr(sys.modules.get(type(owner).__module__), "__file__", None)
+    if source is None or not _library(source):
+        return None
+    while frame is not None:
+        if frame.f_code.co_filename == source:
+            text = linecache.getline(source, frame.f_lineno).strip()
+            return f"{_where(frame)}: `{text}`"
+        frame = frame.f_back
+    return None
+
+
 def _library(name):
+    """Code that is not the user's: torch, DeepSpeed, this file, Python's own modules."""
+    if name.startswith(_STDLIB_DIR) and not re.search(r"[/\\](site|dist)-packages[/\\]", name):
+        return True  # copy.py, contextlib.py, ... (not packages installed beside them)
     return name.startswith((_DEEPSPEED_DIR, _TORCH_DIR, _THIS_FILE, "<"))
 
 
@@ -306,6 +431,7 @@ class _FunctionWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = _op_name(func)
+        before = []
         if name not in METADATA:
             missing = self.watch.unavailable(args, kwargs)
             frame = sys._getframe(1)
@@ -314,8 +440,21 @@ class _FunctionWatch(TorchFunctionMode):
                     t.requires_grad for t in _tensors(args, kwargs))
                 for param in missing:
                     self.watch.record(param, frame, needs_grad=grad)
+                if self.watch.phase == "constructor":  # did the operation change them?
+                    before = [(p, p.detach().clone()) for p in missing]
         self.watch.note_use(args, kwargs)
-        return func(*args, **(kwargs or {}))
+        if name == "data" and getattr(func, "__name__", "") == "__set__" and args and (
+                self.watch.phase != "constructor"):  # `weight.data = ...` replaces it
+            weight = args[0]
+            if getattr(weight, "ds_status", None) == ZeroParamStatus.AVAILABLE:
+                frame = sys._getframe(1)
+                if not _from_deepspeed(frame):
+                    self.watch.wrote(weight, func, frame)
+        result = func(*args, **(kwargs or {}))
+        for param, values in before:
+            if param.shape != values.shape or not torch.equal(param.detach(), values):
+                self.watch.changed(param, frame)
+        return result
 
 
 def _op_name(func):
@@ -416,9 +555,74 @@ def _build_twice(build):
     return built
 
 
+class _DeepcopyWatch:
+    """Sees every Parameter copy.deepcopy makes while the model is built (torch's
+    nn.TransformerEncoder copies its layer so): under zero.Init, copying a partitioned
+    parameter copies its empty data, and no __init__ runs for the copy to partition it."""
+
+    def __init__(self, watch):
+        self.watch, self.original = watch, torch.nn.Parameter.__deepcopy__
+
+    def __enter__(self):
+        original, watch = self.original, self.watch
+
+        def deepcopy(param, memo):
+            made = original(param, memo)
+            if made is not param and hasattr(param, "ds_id"):
+                watch.copies[id(made)] = _copy_of(param, sys._getframe(1))
+            return made
+
+        torch.nn.Parameter.__deepcopy__ = deepcopy
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Parameter.__deepcopy__ = self.original
+
+
+def _copy_of(param, frame):
+    """What the outermost copy.deepcopy on the stack was given, and the user's line."""
+    copied = param
+    while frame is not None:
+        if frame.f_code.co_filename == _COPY_FILE and frame.f_code.co_name == "deepcopy":
+            copied = frame.f_locals.get("x", copied)
+        if not _library(frame.f_code.co_filename):
+            break
+        frame = frame.f_back
+    site = _where(frame) if frame is not None else "?"
+    path = ""
+    if isinstance(copied, torch.nn.Module):
+        path = _path_in(copied, param) or ""
+    return _Copy(param, copied, site, _source_name(copied, frame), path,
+                 _user_constructor_of(frame))
+
+
+def _source_name(obj, frame):
+    """How the code of `frame` can name `obj`: a local variable, or a path from `self`."""
+    if frame is None:
+        return None
+    for name, value in frame.f_locals.items():
+        if value is obj and name != "self":
+            return name
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, torch.nn.Module):
+        for path, module in owner.named_modules():
+            if module is obj and path:
+                return _python_path(path)
+        path = _path_in(owner, obj) if isinstance(obj, torch.Tensor) else None
+        if path:
+            return _python_path(path)
+    return None
+
+
+def _python_path(path, root="self"):
+    """A path in a module as Python: "layers.0.weight" -> "self.layers[0].weight"."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", f"{root}.{path}" if path else root)
+
+
 def _build(build, watch, errors):
     try:
-        with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG), _FunctionWatch(watch):
+        with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG), _FunctionWatch(watch), \
+                _DeepcopyWatch(watch):
             model = build()
     except Exception as error:  # noqa: BLE001 - an error while building is a finding
         errors.append(("constructor", None, error))
@@ -450,21 +654,115 @@ def _train(model, inputs, loop, steps, watch, errors):
             watch.phase = "loop"
 
     engine.backward = watched_backward
-    for step in range(steps):
-        watch.step, watch.backward_ran = step, False
-        try:
-            watch.phase = "loop"
-            with _FunctionWatch(watch):
-                loss = _run_loop(loop, engine, inputs)
-                if not watch.backward_ran:
-                    engine.backward(loss)
-            watch.release()
-            engine.step()
-        except Exception as error:  # noqa: BLE001 - what the checker could not gather
-            errors.append((watch.phase, step, error))
-            return
-        finally:
-            watch.phase = "loop"
+    with _KeptWritesWatch(watch, engine):
+        for step in range(steps):
+            watch.step, watch.backward_ran = step, False
+            try:
+                watch.phase = "loop"
+                with _FunctionWatch(watch), _WriteWatch(watch):
+                    loss = _run_loop(loop, engine, inputs)
+                    if not watch.backward_ran:
+                        engine.backward(loss)
+                watch.release()
+                watch.end_step()
+                engine.step()
+            except Exception as error:  # noqa: BLE001 - what the checker could not gather
+                errors.append((watch.phase, step, error))
+                return
+            finally:
+                watch.phase = "loop"
+
+
+def _written(func, args, kwargs):
+    """The tensors an operation writes into, by its schema (`Tensor(a!)`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else (kwargs or {}).get(argument.name)
+        written += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return written
+
+
+def _overlaps(a, b):
+    """Whether two tensors' memory overlaps (a gathered weight may be a view of a buffer
+    that holds other weights too)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return (start_a < start_b + b.numel() * b.element_size()
+            and start_b < start_a + a.numel() * a.element_size())
+
+
+class _WriteWatch(TorchDispatchMode):
+    """Sees every operation that writes into a weight ZeRO-3 has gathered (in a forward,
+    or in the loop): ZeRO-3 frees the gathered tensor at release, and the optimizer's copy
+    of the weight wins at engine.step(), so such a write is lost. Operations DeepSpeed runs
+    itself (gathering into the buffer, broadcasting) are left out."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        written = _written(func, args, kwargs)
+        if written and self.watch.root is not None:
+            with torch._C.DisableTorchFunction():  # no read of the model's: not watched
+                hit = [p for p in self.watch.root.parameters()
+                       if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
+                       and any(_overlaps(t, p.data) for t in written)]
+            frame = sys._getframe(1)
+            if hit and not _from_deepspeed(frame):
+                for param in hit:
+                    self.watch.wrote(param, func, frame)
+        return func(*args, **(kwargs or {}))
+
+
+class _KeptWritesWatch:
+    """Which weights the loop changes on both of ZeRO-3's copies: inside
+    GatheredParameters(..., modifier_rank=...) (the model's copy) and with
+    safe_set_full_fp32_param (the optimizer's copy). Such a change is kept."""
+
+    def __init__(self, watch, engine):
+        self.watch, self.engine = watch, engine
+        self.gathered = deepspeed.zero.GatheredParameters
+        self.enter, self.exit = self.gathered.__enter__, self.gathered.__exit__
+
+    def __enter__(self):
+        watch, enter, exit_ = self.watch, self.enter, self.exit
+
+        def entered(block):
+            result = enter(block)
+            if block.enabled and block.src_rank is not None:
+                for param in block.params:
+                    watch.modifying[id(param)] = watch.modifying.get(id(param), 0) + 1
+            return result
+
+        def exited(block, *exc):
+            if block.enabled and block.src_rank is not None:
+                for param in block.params:
+                    watch.modifying[id(param)] -= 1
+            return exit_(block, *exc)
+
+        self.gathered.__enter__, self.gathered.__exit__ = entered, exited
+        optimizer = self.engine.optimizer
+        self.set_full = optimizer.set_full_hp_param  # what safe_set_full_fp32_param calls
+
+        def set_full(value, param, *args, **kwargs):
+            watch.fp32_set.add(id(param))
+            return self.set_full(value, param, *args, **kwargs)
+
+        optimizer.set_full_hp_param = set_full
+        return self
+
+    def __exit__(self, *exc):
+        self.gathered.__enter__, self.gathered.__exit__ = self.enter, self.exit
+        del self.engine.optimizer.set_full_hp_param  # the class's method again
 
 
 def _names(root):
@@ -490,10 +788,138 @@ def _findings(watch, errors):
         reader = OUTSIDE if use.module is None else (modules.get(id(use.module)) or ROOT_NAME)
         parameter, fix, where = _describe(watch, use, name)
         found.append(Finding(parameter, reader, use.phase, use.step, fix, where))
+    found += _built_findings(watch, {f.parameter for f in found if f.phase == "constructor"})
+    for write in watch.lost_writes.values():
+        name = params.get(id(write.param))
+        if name is None:
+            continue  # not a weight of the model's (the checker's own, say)
+        reader = OUTSIDE if write.module is None else (
+            modules.get(id(write.module)) or ROOT_NAME)
+        fix, where = _write_fix(watch, write, name)
+        found.append(Finding(name, reader, write.phase, write.step, fix, where, "write"))
     for phase, step, error in errors:
         found.append(Finding("(unknown)", OUTSIDE, phase, step, "",
                              f"the run raised {type(error).__name__}: {error}"))
     return found
+
+
+def _built_findings(watch, reported):
+    """Every weight of the model that ZeRO-3's build leaves other than plain PyTorch's,
+    and no use above explains: an empty copy (copy.deepcopy of a partitioned module), a
+    parameter made from a partitioned one (clone(), nn.Parameter(other.weight)), a copy
+    of a weight whose change in a constructor was lost, or a value that differs."""
+    zero3, plain = watch.as_zero3_builds_it, watch.as_plain_builds_it
+    if watch.root is None or zero3 is None or plain is None:
+        return []
+    changed = {id(u.param): u for u in watch.seen.values()
+               if u.phase == "constructor" and u.changed}
+    found = []
+    for name, param in watch.root.named_parameters():
+        if name not in zero3 or name not in plain:
+            continue
+        got, want = zero3[name], plain[name]
+        if got.shape == want.shape and torch.equal(got, want):
+            continue
+        empty = got.numel() == 0 < want.numel()
+        made = watch.copies.get(id(param))
+        if made is not None:
+            if empty:
+                found.append(Finding(name, OUTSIDE, "constructor", None,
+                                     *_copy_fix(made), "copy"))
+            lost = changed.get(id(made.original))
+            if lost is not None:
+                found.append(Finding(name, OUTSIDE, "constructor", None,
+                                     *_copied_change_fix(made, lost), "changed"))
+            elif not empty:
+                found.append(_differs(name))
+        elif name in reported:
+            continue
+        elif empty:
+            found.append(Finding(name, OUTSIDE, "constructor", None,
+                                 *_empty_fix(watch, param), "empty"))
+        else:
+            found.append(_differs(name))
+    return found
+
+
+def _in(owner):
+    return f" in `{type(owner).__name__}.__init__`" if owner is not None else ""
+
+
+def _copy_fix(made):
+    what = type(made.copied).__name__
+    if made.source is None:
+        return "", (f"`copy.deepcopy` at `{made.site}` copied a partitioned `{what}`: its "
+                    "copies hold nothing; gather what it copies around that line (the "
+                    "checker found no name for it there)")
+    block = (f"{made.source}.parameters()" if isinstance(made.copied, torch.nn.Module)
+             else made.source)
+    return (f"with deepspeed.zero.GatheredParameters({block}):",
+            f"around `{made.site}`{_in(made.owner)}: empty copies of the partitioned `{what}` "
+            f"`{made.source}` (made by `copy.deepcopy`; not ZeRO-3 parameters): copied inside "
+            "the block, the copies get the whole weights, and `deepspeed.initialize` "
+            "partitions them (or build each copy with its constructor instead)")
+
+
+def _copied_change_fix(made, lost):
+    target = _python_path(made.path, made.source or "?")
+    fix = f"with deepspeed.zero.GatheredParameters({target}, modifier_rank=0):"
+    if lost.library_line is not None and isinstance(made.copied, torch.nn.Module):
+        holder = _python_path(_path_from(made.copied, lost.init_owner), made.source or "?")
+        return fix, (f"before the copy at `{made.site}`, around what "
+                     f"`{type(lost.init_owner).__name__}.__init__` did to it, done again "
+                     f"({lost.library_line}, its `self` being `{holder}`): zero.Init had "
+                     "partitioned it, so the change was lost, and the copies have the value "
+                     "from before it")
+    return fix, (f"around `{lost.site}`{_in(lost.user_owner)}: it changed `{target}` after "
+                 "zero.Init had partitioned it, so the change was lost, and the copy at "
+                 f"`{made.site}` has the value from before it")
+
+
+def _empty_fix(watch, param):
+    site, owner = watch.made_at.get(id(param), ("?", None))
+    sources = []
+    for used in watch.site_uses.get(site, []):
+        path = _path_in(owner, used) if owner is not None else None
+        if used is not param and path is not None:
+            sources.append(_python_path(path))
+    empty = "made from a partitioned parameter, it holds nothing (full shape (0,))"
+    if not sources:
+        return "", (f"made at `{site}`{_in(owner)}: {empty}; make it from the whole "
+                    "parameter, in `deepspeed.zero.GatheredParameters(...)` around that line")
+    block = sources[0] if len(sources) == 1 else f"[{', '.join(sources)}]"
+    return (f"with deepspeed.zero.GatheredParameters({block}):",
+            f"around `{site}`{_in(owner)}: {empty}; made inside the block from the whole "
+            "parameter, it gets its values, and zero.Init partitions it")
+
+
+def _differs(name):
+    return Finding(name, OUTSIDE, "constructor", None, "",
+                   "built under zero.Init, it starts from another value than in plain "
+                   "PyTorch, and the checker saw nothing that changed it: compare your "
+                   "initialisation with a plain build", "changed")
+
+
+def _write_fix(watch, write, name):
+    """The line that keeps a write ZeRO-3 would discard, and where it goes."""
+    target = _python_path(name, "engine.module")
+    block = f"with deepspeed.zero.GatheredParameters({target}, modifier_rank=0):"
+    both = ("and give the new value to `deepspeed.utils.safe_set_full_fp32_param` too "
+            "(the optimizer's copy wins at `engine.step()`)")
+    if write.module is None and write.modifying:
+        return (f"deepspeed.utils.safe_set_full_fp32_param({target}, new_value)",
+                f"after the block around `{write.site}` (in your loop): the optimizer's copy "
+                "wins at `engine.step()`, and undoes the change")
+    if write.module is None:
+        return block, (f"around `{write.site}` (in your loop), {both}: ZeRO-3 drops a "
+                       "change to a weight it gathered")
+    cls = type(write.module).__name__
+    own = (f"; for `nn.Embedding(max_norm=...)`: set its `max_norm` to None and renormalise "
+           "the rows of each batch there (`torch.embedding_renorm_`)"
+           if isinstance(write.module, torch.nn.Embedding) and write.module.max_norm else "")
+    return block, (f"in your loop, outside every forward: make there the change "
+                   f"`{write.op}` makes in `{cls}.forward` (ZeRO-3 drops a change to a "
+                   f"weight it gathered when it releases it), {both}{own}")
 
 
 def _lost(watch, name, used_later):
@@ -524,9 +950,11 @@ def _describe(watch, use, name):
     else:
         parameter = name
     if use.phase == "constructor":
-        return (parameter, *_constructor_fix(root, use, name))
+        return (parameter, *_constructor_fix(root, use, name,
+                                             watch.site_uses.get(use.site, ())))
     if use.module is None:
-        block = f"with deepspeed.zero.GatheredParameters(engine.module.{name}):"
+        weight = _python_path(name, "engine.module")
+        block = f"with deepspeed.zero.GatheredParameters({weight}):"
         if use.phase == "backward":
             return parameter, block, (
                 f"move `engine.backward(loss)` into the block around `{use.site}`: "
@@ -539,12 +967,13 @@ def _describe(watch, use, name):
     if held is not None:
         return (parameter, *held[2:])
     holder, path = _common_holder(root, use.module, name)
-    target = "self" if holder is use.module else f"self.{_path_from(holder, use.module)}"
-    return (parameter, f"deepspeed.zero.register_external_parameter({target}, self.{path})",
+    target = "self" if holder is use.module else _python_path(_path_from(holder, use.module))
+    return (parameter,
+            f"deepspeed.zero.register_external_parameter({target}, {_python_path(path)})",
             f"at the end of `{type(holder).__name__}.__init__`")
 
 
-def _constructor_fix(root, use, name):
+def _constructor_fix(root, use, name, used_there=()):
     if use.hf_init and _is_transformers_model(root):
         auto = _auto_class(type(root), root.config)
         return (f"model = transformers.{auto}.from_config(config)",
@@ -552,8 +981,23 @@ def _constructor_fix(root, use, name):
                 "while an `HfDeepSpeedConfig` of your DeepSpeed config is alive: "
                 "Transformers then initializes each weight gathered")
     owner = use.init_owner
+    if use.library_line is not None and use.user_owner is not None:
+        path = _path_in(use.user_owner, use.param)
+        holder = _python_path(_path_from(use.user_owner, owner))
+        if path is not None:
+            return (f"with deepspeed.zero.GatheredParameters({_python_path(path)}, "
+                    "modifier_rank=0):",
+                    f"at the end of `{type(use.user_owner).__name__}.__init__`, around what "
+                    f"`{type(owner).__name__}.__init__` did to it, done again "
+                    f"({use.library_line}, its `self` being `{holder}`): zero.Init had "
+                    "partitioned it, so the change was lost")
     path = _path_in(owner, use.param) if owner is not None else None
-    target = f"self.{path}" if path else "list(self.parameters())"
+    target = _python_path(path) if path else "list(self.parameters())"
+    if path and owner is not None:  # every partitioned parameter that line uses, in order
+        paths = [_path_in(owner, p) for p in used_there]
+        paths = [p for p in paths if p is not None]
+        if len(paths) > 1 and path in paths:  # load_state_dict of one module into another
+            target = f"[{', '.join(_python_path(p) for p in paths)}]"
     where = f"around `{use.site}`"
     if owner is not None:
         where += f" in `{type(owner).__name__}.__init__`"
@@ -651,13 +1095,19 @@ def print_table(findings, out=sys.stdout):
     """The findings, those with the same fix together: what was used, by which forward in
     which phase, then where the fix goes and the line itself."""
     if not findings:
-        print("No findings: ZeRO-3 gathered every parameter this model read.", file=out)
+        print("No findings: ZeRO-3 gathered every parameter this model read and lost no "
+              "weight.", file=out)
         return
-    print(f"{len(findings)} use(s) of a parameter ZeRO-3 had not gathered:", file=out)
+    uses = sum(_as_finding(f).kind == "use" for f in findings)
+    lost = len({f.parameter for f in map(_as_finding, findings) if f.kind != "use"})
+    counts = [f"{uses} use(s) of a parameter ZeRO-3 had not gathered" if uses else "",
+              f"{lost} weight(s) ZeRO-3 left empty or lost" if lost else ""]
+    print(", ".join(c for c in counts if c) + ":", file=out)
     groups = {}
-    for f in findings:
+    for f in map(_as_finding, findings):
         groups.setdefault((f.reader, f.phase, f.step, f.fix, f.where), []).append(f.parameter)
     for (reader, phase, step, fix, where), names in groups.items():
+        names = _shorter(names)
         when = {OUTSIDE: f"{phase}, outside any forward", ROOT_NAME: f"{phase} of the model"
                 }.get(reader, f"{phase} of {reader}")
         if phase == "constructor":
@@ -671,6 +1121,22 @@ def print_table(findings, out=sys.stdout):
             print(f"    {fix}", file=out)
 
 
+def _shorter(names):
+    """More than 12 names: those under one module, the first path component after the
+    prefix they all share, as "layers.0.* (12 parameters)"."""
+    if len(names) <= 12:
+        return names
+    parts = [n.split(".") for n in names]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    groups = {}
+    for name, p in zip(names, parts):
+        groups.setdefault(".".join(p[:common + 1]), []).append(name)
+    return [g[0] if len(g) == 1 else f"{key}.* ({len(g)} parameters)"
+            for key, g in groups.items()]
+
+
 def apply_fixes(model, findings):
     """Run the fix lines that go at the end of an `__init__` on every module of that class
     in the built `model`, as if each line were there (a way to try them before you edit
@@ -679,6 +1145,8 @@ def apply_fixes(model, findings):
     lines = {(f.fix, f.where): None for f in map(_as_finding, findings)}  # each line once
     for fix, where in lines:
         cls = re.match(r"at the end of `(\w+)\.__init__`", where)
+        if fix.endswith(":"):  # a block, around a line the finding names: yours to write
+            continue
         for module in list(model.modules()) if cls else ():
             if type(module).__name__ == cls[1]:
                 exec(fix, {"deepspeed": deepspeed, "torch": torch, "self": module})

@@ -54,6 +54,23 @@ def test_the_published_site_comes_from_a_run_that_executed_the_notebook():
     assert workflow["env"]["NOTEBOOKS_EXECUTE"] == "always"
     steps = [step for job in workflow["jobs"].values() for step in job.get("steps", [])]
     assert not [s for s in steps if "actions/cache" in s.get("uses", "")]
-    # The deploy job publishes the artifact of the build job, whose site build is strict.
-    assert workflow["jobs"]["deploy"]["needs"] == "build"
+    # The deploy job publishes the artifact of the build job, whose site build is strict, and only
+    # after the shards, the coverage gate on their union and the second pass passed.
+    assert set(workflow["jobs"]["deploy"]["needs"]) == {"build", "shards", "coverage", "second-pass"}
     assert any("mkdocs build --strict" in s.get("run", "") for s in workflow["jobs"]["build"]["steps"])
+
+
+def test_the_shards_run_the_whole_suite_but_the_browser_checks_which_run_once():
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "docs.yml").read_text())
+    shards = workflow["jobs"]["shards"]
+    count = len(shards["strategy"]["matrix"]["shard"])
+    command = " ".join(step.get("run", "") for step in shards["steps"])
+    assert shards["strategy"]["matrix"]["shard"] == list(range(1, count + 1))
+    assert "python3 tasks.py test --shard ${{ matrix.shard }}/" + str(count) in command
+    ignored = {part.split()[0] for part in command.split("--ignore ")[1:]}
+    browser = " ".join(step.get("run", "") for step in workflow["jobs"]["build"]["steps"])
+    assert ignored == {"tests/site/test_browser.py", "tests/site/test_jupyterlab.py"}
+    assert all(path in browser for path in ignored) and "chromium" in browser
+    gate = " ".join(step.get("run", "") for step in workflow["jobs"]["coverage"]["steps"])
+    assert "--snippet-coverage-data coverage-${{ matrix.shard }}" in command
+    assert "python3 -m rankrun.snippet_coverage coverage-*" in gate

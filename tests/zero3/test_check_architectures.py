@@ -89,3 +89,38 @@ def test_the_checkers_fixes_mend_every_flagged_row(world_size, verdicts):
         run = COMPARE["run_verdict"](row)
         assert row["fixed"] and COMPARE["mends"](run), (key, run)
         assert table[key][5] == "mends: " + COMPARE["describe_run"](run), key
+
+
+TORCH = "nn.TransformerEncoder"  # torch's own stack (copies its layer); the benchmark also runs the decoder
+
+
+@pytest.fixture(scope="module")
+def torch_verdicts():
+    rows = [[TORCH, case, None] for case in CASES[:2]]
+    env = {"CHECK_ROWS": json.dumps(rows)}
+    got = run_snippet(SNIPPET, 1, call="checker_verdicts", env=env, timeout=TIMEOUT).check()
+    return {(name, case): findings for name, case, findings, _ in got.returned(0)}
+
+
+def test_torchs_encoder_rows_are_the_tables(torch_verdicts):
+    """nn.TransformerEncoder in a small language model: as written, its layers start empty
+    and both cases fail; the checker names those parameters (and the head's weight for the
+    chunked loss); with its fixes applied in the constructor as it states them, each case
+    trains like one process. The rows equal the benchmark's table."""
+    rows = [[TORCH, case, None] for case in CASES[:2]]
+    rows += [[TORCH, case, findings] for (_, case), findings in torch_verdicts.items()]
+    env = {"CHECK_ROWS": json.dumps(rows)}
+    result = run_snippet(SNIPPET, 2, call="main", env=env, timeout=TIMEOUT).check()
+    table = table_rows()
+    for row in result.returned(0):
+        key = row["architecture"], row["case"]
+        run = COMPARE["run_verdict"](row)
+        if row["fixed"]:
+            assert COMPARE["mends"](run), (key, run)
+            assert table[key][5] == "mends: " + COMPARE["describe_run"](run), key
+            continue
+        checker = COMPARE["checker_verdict"](torch_verdicts[key])
+        assert run[2].startswith("fails in step 0: AssertionError") and run[3] == run[0], run
+        assert COMPARE["agrees"](checker, run, row["head"]), (key, checker, run)
+        assert table[key][2:5] == [COMPARE["describe_checker"](checker),
+                                   COMPARE["describe_run"](run), "yes"], key

@@ -40,7 +40,7 @@ def test_agrees_with_every_cell_of_the_automatic_detection_tables():
     assert before == [{"parameter": "embeddings.weight", "reader": "(model)", "phase": "forward",
                        "step": 0, "fix": "deepspeed.zero.register_external_parameter(self, "
                                          "self.embeddings.weight)",
-                       "where": "at the end of `Probe.__init__`"}]
+                       "where": "at the end of `Probe.__init__`", "kind": "use"}]
     head = found["a list holding the Parameter: `self.tied[0]`", "head", example["FIRST_USE"]][False]
     assert [(f["reader"], f["fix"], f["where"]) for f in head] == [
         ("head", "deepspeed.zero.register_external_parameter(self.head, self.embeddings.weight)",

@@ -42,7 +42,7 @@ def test_checker_agrees_with_real_runs(world_size, verdicts, expect_output):
 
 FORWARD = {"parameter": "block.owner.weight", "reader": "block", "phase": "forward", "step": 0,
            "fix": "deepspeed.zero.register_external_parameter(self, self.owner.weight)",
-           "where": "at the end of `Block.__init__`"}
+           "where": "at the end of `Block.__init__`", "kind": "use"}
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,9 @@ SOURCES = {
     "AttributeError: 'Parameter' object has no attribute 'ds_status'": ["../transformers/resize_embeddings.out"],
     "ValueError: not enough values to unpack (expected 2, got 1)": ["../transformers/resize_embeddings.out"],
     "RuntimeError: Cannot free a ZeRO-3 parameter while it is still active in submodules": ["free_active_param.out"],
+    "RuntimeError: Error(s) in loading state_dict for Linear: size mismatch for weight: copying a param with "
+    "shape torch.Size([6, 6]) from checkpoint, the shape in current model is torch.Size([0]).": [
+        "generated_copies.out"],
     "TypeError: Signature mismatch between <function get_new_tensor_fn_for_dtype.<locals>.new_tensor at 0x…> and "
     "<function tensor_pynew at 0x…>: (cls, *args, **kwargs) -> torch.Tensor != (cls: type[typing.Any], "
     "data: torch.Tensor, requires_grad: bool = False, **kwargs: Any) -> Any": ["../transformers/import_inside_zero_init.out"],
@@ -64,6 +67,9 @@ SOURCES = {
     "AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'": [
         "../versions/peft_modules_to_save.md"],
     "RuntimeError: shape '[-1, 0]' is invalid for input of size 720": ["../versions/resize_embeddings.md"],
+    "RuntimeError: Error(s) in loading state_dict for ValueHead: size mismatch for summary.weight: "
+    "copying a param with shape torch.Size([1, 16]) from checkpoint, the shape in current model is "
+    "torch.Size([0])": ["../transformers/value_head_load.out"],
     # Tied embeddings with FSDP2 and pipelines, initialization under zero.Init
     "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
     "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
@@ -79,6 +85,15 @@ SOURCES = {
     # Tied weights with FSDP: meta-device init and FSDP1 units (pipeline/fsdp-tied-init-checkpoints.md)
     'Missing key(s) in state_dict: "lm_head.weight".': ["../pipeline/fsdp_meta_init_llama.out"],
     "RuntimeError: size mismatch, got input (24), mat (24x8), vec (64)": ["../pipeline/fsdp1_shared_units.out"],
+    # Quantized models and counting parameters (quantized_zero3.py, parameter_count.py,
+    # versions/trainer_param_count.py)
+    "ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.": [
+        "../transformers/quantized_zero3.out"],
+    "ValueError: matmul_4bit: quant_state.shape must be 2D [N, K]": ["../transformers/quantized_zero3.out"],
+    "ZeroDivisionError: integer division or modulo by zero": ["../transformers/quantized_zero3.out"],
+    "AttributeError: 'Parameter' object has no attribute 'ds_numel'": [
+        "../transformers/trainer_param_count.txt"],
+    "ZeroDivisionError: division by zero": ["../transformers/parameter_count.out"],
     # Fused losses, TRL's generation helper and copied models
     "RuntimeError: size mismatch, got input (4), mat (4x16), vec (0)": ["../transformers/fused_loss.out"],
     "RuntimeError: The size of tensor a (0) must match the size of tensor b (16) at non-singleton "
@@ -119,6 +134,15 @@ def test_silent_cases_are_shown():
         assert line in changed, line
     assert "change_after_initialize.out" in page
     # the table has one row per case, and the sentence above it counts them
+    # a forward's write to its gathered weight (lost_writes.py): the rows keep their norm
+    lost = (ROOT / "snippets/zero3/lost_writes.out").read_text()
+    assert "as written: losses 2.8354 2.7863 2.7879, largest norm of a used row 4.7108" in lost
+    assert "lost_writes.out" in (ROOT / "docs/zero3/lost-writes.md").read_text()
+    # a constructor's assignment, load or MultiheadAttention under zero.Init (generated copies)
+    copies = (ROOT / "snippets/zero3/check_shared_reads_generated_copies.txt").read_text()
+    for construct in ("weight.data = a tensor", "load_state_dict from a partitioned layer",
+                      "nn.MultiheadAttention"):
+        assert re.search(rf"^  {re.escape(construct)}: \d+ x silently wrong$", copies, re.M), construct
     rows = re.findall(r"^\|.*\|$", page.split("## Silently wrong")[1], flags=re.M)
-    assert len(rows) == 2 + 3  # header, separator, one row per case
-    assert "found three cases" in page
+    assert len(rows) == 2 + 5  # header, separator, one row per case
+    assert "found five cases" in page
