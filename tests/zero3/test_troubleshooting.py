@@ -74,7 +74,8 @@ SOURCES = {
     "ValueError: Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by "
     "another FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
     "them in the same FSDP group.": ["../pipeline/accelerate_fsdp2_releases.txt"],
-    "KeyError: 'lm_head.weight'": ["../pipeline/accelerate_fsdp2_releases.txt"],
+    "KeyError: 'lm_head.weight'": ["../pipeline/accelerate_fsdp2_releases.txt",
+                                   "../pipeline/hf_pipeline_loader.out"],
     "ValueError: FSDP2 mapping failed (missing: ['lm_head.weight']). This is likely due to tied "
     "embeddings (config has tie_word_embeddings=True but checkpoint has separate weights).": [
         "../pipeline/accelerate_fsdp2_tied.out", "../pipeline/accelerate_fsdp2_releases.txt"],
@@ -85,6 +86,12 @@ SOURCES = {
     # Tied weights with FSDP: meta-device init and FSDP1 units (pipeline/fsdp-tied-init-checkpoints.md)
     'Missing key(s) in state_dict: "lm_head.weight".': ["../pipeline/fsdp_meta_init_llama.out"],
     "RuntimeError: size mismatch, got input (24), mat (24x8), vec (64)": ["../pipeline/fsdp1_shared_units.out"],
+    # DeepSpeed pipelines with ZeRO, Megatron Core beyond two stages (pipeline/tied-layers*.md)
+    "AssertionError: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism": [
+        "../pipeline/zero3_pipeline.out", "../pipeline/zero1_pipeline_offload.out"],
+    "ZeRORuntimeException: You are using ZeRO-Offload with a client provided optimizer": [
+        "../pipeline/zero1_pipeline_offload.out"],
+    "AssertionError: embedding group is not initialized": ["../pipeline/megatron_four_stages.out"],
     # Quantized models and counting parameters (quantized_zero3.py, parameter_count.py,
     # versions/trainer_param_count.py)
     "ValueError: DeepSpeed Zero-3 is not compatible with passing a `device_map`.": [
