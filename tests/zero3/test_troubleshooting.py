@@ -108,6 +108,12 @@ SOURCES = {
     "RuntimeError: 0 active drivers ([]). There should only be one.": ["liger_on_cpu.txt"],
     "ValueError: DeepSpeed ZeRO-3 is enabled and is not compatible with": ["../transformers/copied_reference.out"],
     "AttributeError: 'Parameter' object has no attribute 'ds_id'": ["../transformers/copied_reference.out"],
+    # Generation between training steps: the prefetch trace and the hybrid engine
+    "RuntimeError: tracing error at step 3:": ["prefetch_trace.out"],
+    "RuntimeError: still have inflight params": ["../versions/prefetch_inflight.md"],
+    "ValueError: This op had not been implemented on CPU backend.": ["../transformers/hybrid_engine.out"],
+    "RuntimeError: Transformers version 5.24.0 exceeds version 4.43.4! After transformers version 4.43.4, "
+    "BLOOM inference with DeepSpeed is no longer supported.": ["../transformers/hybrid_engine.out"],
 }
 
 
