@@ -335,6 +335,10 @@ def main():
     differs = dict(hf, **{"lm_head.weight": hf["model.embed_tokens.weight"] * 2})
     results["differs"] = error(lambda: tied_hf_to_megatron(differs, llama.config, True))
     print(f"lm_head.weight that differs, tied_hf_to_megatron: {results['differs']}")
+    # The same file with a config that does not tie: the head is mapped, no error.
+    untied = tiny_llama_config(tie=False)
+    results["untied error"] = error(lambda: tied_hf_to_megatron(differs, untied, False))
+    results["untied"] = tied_hf_to_megatron(differs, untied, False)
 
     # --8<-- [start:back]
     converted = megatron_to_hf(megatron_model.state_dict())

@@ -52,10 +52,6 @@ class ScaledExperts(PreTrainedModel):
             nn.init.normal_(self.experts, std=0.02)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
-
-    def forward(self, tokens):
-        hidden = self.embed(tokens) * self.scale
-        return torch.einsum("bsh,eoh->bseo", hidden, self.experts)
 # --8<-- [end:custom]
 
 
@@ -93,7 +89,7 @@ def compare(model_class, directory):
     for name, weight in model.named_parameters():
         with deepspeed.zero.GatheredParameters(weight):  # full on every rank, for reading
             if not torch.equal(weight, expected[name]):
-                differ.append(name)
+                differ.append(name)  # pragma: no cover - older releases (below)
     # --8<-- [end:load]
     del hf_config
     return {"missing": sorted(report["missing_keys"]), "differ": differ,
@@ -113,7 +109,7 @@ def main():
         got = results[model_class.__name__] = compare(model_class, directory)
         say(f"{model_class.__name__}: {len(got['missing'])} of {got['weights']} weights "
             f"reported missing, {len(got['differ'])} differ from the checkpoint")
-        for name in got["differ"]:
+        for name in got["differ"]:  # pragma: no cover - older releases: the note
             say(f"  differs: {name}{' (reported missing)' if name in got['missing'] else ''}")
     return results
 

@@ -82,6 +82,11 @@ def test_hugging_face_to_megatron(run, original, expect_output):
     assert got["both names fixed"] == "<All keys matched successfully>"
     assert got["differs"] == ("ValueError: tie_word_embeddings=True, but lm_head.weight differs from "
                               "the embedding: set tie_word_embeddings=False and map it")
+    # With a config that does not tie, the same file converts: its own head, not the embedding.
+    assert got["untied error"] is None
+    untied = got["untied"]
+    assert torch.equal(untied["output_layer.weight"], 2 * model.model.embed_tokens.weight.detach())
+    assert torch.equal(untied["embedding.word_embeddings.weight"], model.model.embed_tokens.weight.detach())
     expect_output(run, output_file(SNIPPET))
 
 
