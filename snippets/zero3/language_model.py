@@ -55,7 +55,8 @@ def main():
         "train_micro_batch_size_per_gpu": BATCH // world,
         # Partition even these tiny weights in every step, as large ones are. Leave
         # it out in a real run: by default, weights of up to 1e5 elements stay whole
-        # from the end of the first step (DeepSpeed's configuration docs).
+        # from the end of the first step (the settings run on "What DeepSpeed detects
+        # automatically").
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,  # no clipping: the run must equal plain PyTorch

@@ -109,3 +109,18 @@ def test_fix_1_gathers_one_module_at_a_time(monkeypatch):
     gathered = {id(p) for params, _ in calls for p in params}
     assert gathered == {id(p) for p in model.parameters()}
     assert max(len(params) for params, _ in calls) < len(list(model.parameters()))
+
+
+def test_gathered_parameters_given_a_module_gathers_nothing():
+    """DeepSpeed issue #2650 writes GatheredParameters(module, modifier_rank=0). Given a module,
+    DeepSpeed's GatheredParameters turns itself off (no gather, no broadcast, no error); given
+    the module's parameters it does not. In one process, without a process group: the
+    parameters carry a `ds_id`, as zero.Init marks them, and only the decision is checked."""
+    import deepspeed
+
+    module = torch.nn.Linear(4, 4)
+    for ds_id, param in enumerate(module.parameters()):
+        param.ds_id = ds_id
+    assert deepspeed.zero.GatheredParameters(module, modifier_rank=0).enabled is False
+    # modifier_rank picks the source rank only after this decision, and needs a process group.
+    assert deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False))).enabled is True

@@ -1,5 +1,6 @@
-"""snippets/transformers/t5_reader.py: DeepSpeed issue #1047 as its reader lived it, with the real
-Trainer: the reader's compute_loss and registration attempts fail, with their messages."""
+"""snippets/transformers/t5_reader.py: the use case of DeepSpeed issue #1047 (a loss that reads
+the embedding weight), with the real Trainer: the reader's compute_loss and registration attempts
+fail, with their messages."""
 
 from rankrun import marks
 from rankrun.pages import output_file
