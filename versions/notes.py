@@ -120,16 +120,20 @@ def render_versions_page(data: dict, config: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def changed_lines(entry: dict, pinned_entry: dict) -> list[tuple[str, str, str, int | None]]:
+def changed_lines(entry: dict, pinned_entry: dict) -> list[tuple[str | None, str, str, int | None]]:
     """(context, line here, line on the pinned release, index of that line in the pinned
-    transcript or None) for every printed line that changed."""
+    transcript or None) for every printed line that changed. The context is the last line
+    printed before the change without indentation, "" at the start of the output, None
+    where only indented lines come before it."""
     mine, theirs = transcript({**entry, "raised": []}), transcript({**pinned_entry, "raised": []})
     found = []
     matcher = difflib.SequenceMatcher(a=mine, b=theirs, autojunk=False)
     for tag, a0, a1, b0, b1 in matcher.get_opcodes():
         if tag == "equal":
             continue
-        context = next((line for line in reversed(theirs[:b0]) if line and not line[0].isspace()), "")
+        # "": the change is at the start of the output; None: only indented lines before it.
+        context = next((line for line in reversed(theirs[:b0]) if line and not line[0].isspace()),
+                       "" if b0 == 0 else None)
         for i in range(max(a1 - a0, b1 - b0)):
             found.append((context, mine[a0 + i].strip() if a0 + i < a1 else "(no line)",
                           theirs[b0 + i].strip() if b0 + i < b1 else "(no line)",
@@ -160,15 +164,17 @@ def describe_difference(entry: dict, pinned_entry: dict, pinned: str) -> list[st
             rows.append(sentence)
         else:
             where = printed_lines.setdefault(f"{code(here)} ({pinned}: {code(there)})", [])
-            if context and context != there:
+            if context is not None and context != there and context not in where:
                 where.append(context)
     lines = list(rows)
     by_contexts: dict[tuple, list[str]] = {}
     for what, contexts in printed_lines.items():
         by_contexts.setdefault(tuple(contexts), []).append(what)
     for contexts, whats in by_contexts.items():
-        under = f"under {', '.join(code(c) for c in contexts)} " if contexts else ""
-        lines.append(f"{under}prints {', '.join(whats)}")
+        places = [p for p in contexts if p]
+        under = " and ".join((["at the start"] if "" in contexts else [])
+                             + ([f"under {', '.join(code(c) for c in places)}"] if places else []))
+        lines.append(f"{under} prints {', '.join(whats)}" if under else f"prints {', '.join(whats)}")
     lines += [f"raises {code(raised)}" for raised in new_raised]
     lines += [f"does not raise {code(raised)} ({pinned} does)"
               for raised in pinned_entry["raised"] if raised not in entry["raised"]]

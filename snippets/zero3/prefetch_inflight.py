@@ -1,7 +1,7 @@
 """Generation between training steps under ZeRO-3, with a module that some forwards run and
 others skip: a prompt encoder that the first forward of a generation (the prefill) and the
 scoring forward over the whole sequence run, and the decoding forwards do not (as a vision
-encoder in a multimodal model). DeepSpeed 0.14.5 prefetches the encoder for the second
+encoder in a multimodal model). DeepSpeed 0.14.5 prefetches the encoder for the first
 generation's first decoding forward and stops with "RuntimeError: still have inflight
 params"; the pinned release goes on (tests/zero3/test_prefetch_inflight.py compares it with
 one process). No ZeRO-3 switch that 0.14.5 lacks is set, so that the matrix can run it there.

@@ -2,11 +2,12 @@
 "tracing error at step N: ... expected the next K parameters in the parameter fetch queue",
 once the module order was recorded without the read. On 2 and 4 ranks as the page shows it
 (read on odd steps: step 1's backward stops); and on 2 ranks the rule beyond that case: read
-on step 2 only (steps 0 and 1 train as plain PyTorch, step 2's backward stops), read only
-while generating (the next generation forward stops), without
-prefetching (the same error), under DeepSpeed's default persistence threshold (no error for
-a head of 128 elements, kept whole, which still gets its step-1 gradient again in step 2; the
-error for a head of 102400 elements (a vocabulary of 12800))."""
+on step 2 only (steps 0 and 1 print plain PyTorch's losses, step 2's backward stops), read only
+while generating (the next generation forward stops; the queue holds embeddings.weight and
+layer.weight), without prefetching (the same error, the same queue), under DeepSpeed's default
+persistence threshold (no error for a head of 128 elements, kept whole, which still gets its
+step-1 gradient again in step 2; the error, in step 1, for a head of 102400 elements (a
+vocabulary of 12800))."""
 
 import pytest
 import torch
@@ -102,12 +103,22 @@ def test_a_weight_read_on_step_2_only_stops_step_2():
     assert_printed_losses(result, losses[:2])
 
 
+def assert_queue_holds_the_model_and_layer_weights(message):
+    """The model expected embeddings.weight and aux.weight; the queue held embeddings.weight
+    and layer.weight (the record's next entries)."""
+    expected, got = message.split("but got")
+    assert "'name=embeddings.weight id=0'" in expected and "'name=aux.weight id=3'" in expected, message
+    assert "'name=embeddings.weight id=0'" in got and "'name=layer.weight id=1'" in got, message
+    assert "aux.weight" not in got, message
+
+
 def test_a_weight_read_while_generating_stops_the_next_forward():
     """The first generation forward reads aux.weight and adds it to the model's parameters; the
     next one (module 0 at module call 0, in eval mode) finds embeddings.weight first in the
     queue, not aux.weight."""
     result = run_snippet(SNIPPET, 2, env={"READ_ON": "generation only"})
-    assert_stops(result, step=0, count=2, where="forward", training=False)
+    message = assert_stops(result, step=0, count=2, where="forward", training=False)
+    assert_queue_holds_the_model_and_layer_weights(message)
     losses, _, _ = plain(EXAMPLE["READS"]["generation only"])
     assert_printed_losses(result, losses[:1])
     assert "generated" not in result.ranks[0].stdout
@@ -115,7 +126,8 @@ def test_a_weight_read_while_generating_stops_the_next_forward():
 
 def test_without_prefetching_the_same_error():
     result = run_snippet(SNIPPET, 2, env={"ZERO_SETTINGS": "threshold 0, no prefetch"})
-    assert_stops(result, step=3, count=2)
+    message = assert_stops(result, step=3, count=2)
+    assert_queue_holds_the_model_and_layer_weights(message)
     losses, _, _ = plain(EXAMPLE["READS"]["odd steps"])
     assert_printed_losses(result, losses[:1])
 
@@ -139,6 +151,9 @@ def test_under_the_default_threshold_a_large_head_stops_step_1():
     result = run_snippet(SNIPPET, 2, env={"ZERO_SETTINGS": "defaults", "VOCAB": "12800"})
     message = assert_stops(result, step=3, count=1, numel=102400)
     assert message.endswith("but got \n ()."), message
+    # Step 0 trained and printed; step 1 (the first read) stopped.
+    steps = [line.split(":")[0].strip() for line in result.ranks[0].stdout.splitlines() if line.startswith("  step ")]
+    assert steps == ["step 0"], result.ranks[0].stdout
 
 
 @marks.refusal
