@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from rankrun.results import STACK_DUMP
+from rankrun.results import STACK_DUMP, printed_by_the_example
 
 # One frame of a faulthandler dump: `  File "path", line N in function`.
 FRAME = re.compile(r'^  File "(.*)", line (\d+) in (\S+)$')
@@ -206,3 +206,31 @@ class HangWatcher:
             innermost={rank: f"{frames[0][2]} ({Path(frames[0][0]).name}:{frames[0][1]})"
                        for rank, (frames, _) in zip(sorted(self.pids), seen)})
         return True
+
+
+# --- what a page shows of a hung run -----------------------------------------------------------
+
+def frames_shown(stack: str, shown: re.Pattern) -> list[tuple[str, str]]:
+    """(file, function) of the frames of a rank's dumped stack (its main thread) that `shown`
+    matches, outermost first: where the rank waited, as a page shows it. `shown` captures the
+    file's path, then the function."""
+    main = stack.split("Current thread")[1]
+    return [(m.group(1).split("/")[-1], m.group(2)) for m in shown.finditer(main)][::-1]
+
+
+class HangTranscript:
+    """What a page shows of a hung run, for expect_output: each rank's printed lines and where it
+    waited (the frames `shown` matches)."""
+
+    def __init__(self, result, watch: HangWatch, shown: re.Pattern):
+        self.name, self.ok, self.result = result.name, True, result
+        self.watch, self.shown = watch, shown
+
+    def transcript(self) -> str:
+        lines = [f"hung: no rank made progress for {self.watch.quiet:.0f} s, each waiting in a collective; "
+                 "where each rank was:"]
+        for rank in self.result.ranks:
+            printed = printed_by_the_example(rank.stdout).strip() or f"[rank {rank.rank}] (printed nothing)"
+            frames = " > ".join(f"{function} ({file})" for file, function in frames_shown(rank.stack, self.shown))
+            lines += [printed, f"  {frames}"]
+        return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from rankrun import marks
-from rankrun.hang import HangWatch
+from rankrun.hang import HangTranscript, HangWatch, frames_shown
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
 from rankrun.runner import ROOT, printed_by_the_example, run_snippet
@@ -51,25 +51,7 @@ SHOWN = re.compile(r'File ".*?(snippets/transformers/generate\.py|transformers/g
 
 
 def waiting_in(stack):
-    """(file, function) of the shown frames of the main thread, outermost first."""
-    main = stack.split("Current thread")[1]
-    return [(m.group(1).split("/")[-1], m.group(2)) for m in SHOWN.finditer(main)][::-1]
-
-
-class HangTranscript:
-    """What the page shows of the hung run: each rank's printed line and where it waited."""
-
-    def __init__(self, result):
-        self.name, self.ok, self.result = result.name, True, result
-
-    def transcript(self):
-        lines = [f"hung: no rank made progress for {HANG.quiet:.0f} s, each waiting in a collective; "
-                 "where each rank was:"]
-        for rank in self.result.ranks:
-            printed = printed_by_the_example(rank.stdout).strip() or f"[rank {rank.rank}] (printed nothing)"
-            frames = " > ".join(f"{function} ({file})" for file, function in waiting_in(rank.stack))
-            lines += [printed, f"  {frames}"]
-        return "\n".join(lines) + "\n"
+    return frames_shown(stack, SHOWN)
 
 
 @marks.hang
@@ -90,4 +72,4 @@ def test_synced_gpus_false_hangs(world_size, expect_output):
             assert ("partitioned_param_coordinator.py", "fetch_sub_module") in where, where
             assert printed_by_the_example(rank.stdout) == ""
     if world_size == 2:
-        expect_output(HangTranscript(result), HANG_FILE)
+        expect_output(HangTranscript(result, HANG, SHOWN), HANG_FILE)

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from rankrun import marks
-from rankrun.hang import HangWatch
+from rankrun.hang import HangTranscript, HangWatch, frames_shown
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
 from rankrun.runner import ROOT, printed_by_the_example, run_snippet
@@ -60,9 +60,7 @@ def test_every_rank_calling_generate_equally_often_equals_one_process(world_size
 
 
 def waiting_in(stack):
-    """(file, function) of the shown frames of the main thread, outermost first."""
-    main = stack.split("Current thread")[1]
-    return [(m.group(1).split("/")[-1], m.group(2)) for m in SHOWN.finditer(main)][::-1]
+    return frames_shown(stack, SHOWN)
 
 
 def assert_hung_where(result, generating, in_generate):
@@ -81,21 +79,6 @@ def assert_hung_where(result, generating, in_generate):
             assert where[1:] == [("generate_calls.py", in_generate), ("distributed_c10d.py", "barrier")], where
 
 
-class HangTranscript:
-    """What the page shows of a hung run: each rank's printed lines and where it waited."""
-
-    def __init__(self, result):
-        self.name, self.ok, self.result = result.name, True, result
-
-    def transcript(self):
-        lines = [f"hung: no rank made progress for {HANG.quiet:.0f} s, each waiting in a collective; "
-                 "where each rank was:"]
-        for rank in self.result.ranks:
-            printed = printed_by_the_example(rank.stdout).strip() or f"[rank {rank.rank}] (printed nothing)"
-            frames = " > ".join(f"{function} ({file})" for file, function in waiting_in(rank.stack))
-            lines += [printed, f"  {frames}"]
-        return "\n".join(lines) + "\n"
-
 
 @marks.hang
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -104,7 +87,7 @@ def test_samples_on_rank_zero_alone_hang(world_size, expect_output):
     assert_hung_where(result, generating={0}, in_generate="log_samples_on_rank_zero")
     assert all(printed_by_the_example(rank.stdout) == "" for rank in result.ranks)
     if world_size == 2:
-        expect_output(HangTranscript(result), HANG_FILE)
+        expect_output(HangTranscript(result, HANG, SHOWN), HANG_FILE)
 
 
 @marks.hang
