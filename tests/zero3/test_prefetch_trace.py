@@ -30,7 +30,7 @@ HEAD = "{{'id': 'name=aux.weight id=3', 'status': 'AVAILABLE', 'numel': {numel},
 def plain(schedule):
     """The schedule (READS' shape) in one process without DeepSpeed: the losses, aux.weight's
     gradient (zeros where a step does not read it), the tokens generated after each step.
-    The tests of prefetch_trace_fixes.py use it too."""
+    The tests of prefetch_trace_fixes.py build the same reference."""
     train_aux, generate_aux, _ = schedule
     torch.manual_seed(EXAMPLE["SEED"])
     model = EXAMPLE["ReadsHeadWeight"]()

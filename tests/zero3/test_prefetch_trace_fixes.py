@@ -6,15 +6,14 @@ module does: trace-cache.md) and step 3 differs. Generation between the steps: p
 losses, gradients and tokens, whether the generation reads nothing new or reads the weight
 that training reads with 0.0 *."""
 
-import runpy
-
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rankrun.pages import output_file
 from rankrun.reference import example_namespace
 from rankrun.results import printed_by_the_example
-from rankrun.runner import ROOT, run_snippet
+from rankrun.runner import run_snippet
 from rankrun.tolerance import assert_matches, matches
 
 SNIPPET = "snippets/zero3/prefetch_trace_fixes.py"
@@ -22,16 +21,37 @@ EXAMPLE = example_namespace(SNIPPET, with_siblings=["prefetch_trace"])
 SCHEDULES = EXAMPLE["SCHEDULES"]
 
 
-# The one-process reference of prefetch_trace.py's tests (this example's model, steps and
-# generation are that example's), for these schedules.
-PLAIN = runpy.run_path(str(ROOT / "tests/zero3/test_prefetch_trace.py"))["plain"]
-
-
 def plain(schedule):
     """The schedule in one process without DeepSpeed: the losses, aux.weight's gradient (zeros
     where a step does not read it), the tokens generated after each step. A read with 0.0 * is
-    skipped there (plain PyTorch without the read)."""
-    return PLAIN(SCHEDULES[schedule])
+    skipped here (plain PyTorch without the read); tests/zero3/test_prefetch_trace.py builds the
+    same reference for the failing schedules."""
+    train_aux, generate_aux, _ = SCHEDULES[schedule]
+    torch.manual_seed(EXAMPLE["SEED"])
+    model = EXAMPLE["ReadsHeadWeight"]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=EXAMPLE["LR"])
+    losses, grads, generated = [], [], []
+    for step in range(EXAMPLE["STEPS"]):
+        tokens = EXAMPLE["batch"](step)
+        aux = "skipped" if train_aux(step) == "zero" else train_aux(step)
+        logits = model(tokens[:, :-1], aux=aux)
+        loss = F.cross_entropy(logits.reshape(-1, EXAMPLE["VOCAB"]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        grad = model.aux.weight.grad
+        grads.append(torch.zeros_like(model.aux.weight) if grad is None else grad.clone())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if generate_aux is not None:
+            model.eval()
+            with torch.no_grad():
+                sequence = EXAMPLE["batch"](step)[:, :2]
+                for _ in range(EXAMPLE["NEW_TOKENS"]):
+                    next_token = model(sequence, aux=generate_aux)[:, -1:].argmax(-1)
+                    sequence = torch.cat([sequence, next_token], dim=1)
+            model.train()
+            generated.append(sequence)
+    return losses, grads, generated
 
 
 def assert_plain(got, reference, label):
