@@ -3,8 +3,9 @@ log generated on rank 0 alone, and an evaluation set split unevenly over the ran
 per prompt of the rank's own share). synced_gpus keeps the ranks in step inside one call of
 generate(); it cannot make a rank call it.
 rank_zero_only() and own_share_only(): the two hangs. main(): every rank calls generate() as
-often as the others (the fixes), on two evaluation sets. The two functions that hang run
-only in runs that are killed, whose lines the suite's coverage gate cannot see (their pragmas).
+often as the others (the fixes), on two evaluation sets. The functions that hang (these two
+and the ones they call) run only in runs the runner kills, whose ranks record no lines for the
+suite's coverage gate (hence their pragmas).
 
 Run on CPU (2 processes):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 snippets/transformers/generate_calls.py
